@@ -1,0 +1,124 @@
+"""PyTorch reference for Core Context Aware (CCA) attention.
+
+This is the ground truth every kernel is tested against. It follows CCA-SPEC.md to the letter:
+groups of ``g`` positions are pooled into one core token each (weights from the group's last
+query), and every query attends, in ONE softmax, to the core tokens of the ``n(t)`` oldest
+complete groups plus the raw keys of positions ``[n(t)*g, t]``, with
+``n(t) = max(0, floor((t + 1 - s) / g))``.
+
+Memory is O(L^2): fine for tests and CPU inference, the Triton kernel is the fast path.
+Shapes: ``q`` is (B, H, L, d); ``k`` and ``v`` are (B, Hkv, L, d), ``H = r * Hkv``. ``q`` and ``k`` are
+given *before* RoPE; ``cos``/``sin`` are the model's rotary tables for positions ``0 .. L-1``,
+shaped (L, d) or (B, L, d) (``rotate_half`` convention, as in transformers' Llama).
+"""
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, L, d) with tables (L, d) or (B, L, d)."""
+    if cos.dim() == 3:  # per-sequence tables broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def visible_core_count(t: torch.Tensor, group_size: int, local_window: int) -> torch.Tensor:
+    """n(t): how many core tokens (oldest groups) the query at position t sees."""
+    return torch.div(t + 1 - local_window, group_size, rounding_mode="floor").clamp_min(0)
+
+
+def pool_core_tokens(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    group_size: int,
+    pooling: str = "kv",
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Globality-aware pooling of every complete group (spec: "Groups and core tokens").
+
+    ``q_rot``/``k_rot`` are post-RoPE (they give the pooling weights), ``k`` is pre-RoPE (it is
+    pooled, then rotated at the group's middle position ``p*g + g//2``). Returns ``(K_core, V_core)``
+    shaped (B, C, P, d) with ``P = L // g`` and ``C = H`` (pooling ``query``) or ``Hkv`` (``kv``).
+    """
+    bsz, n_heads, seq_len, head_dim = q_rot.shape
+    n_kv = k.shape[1]
+    rep = n_heads // n_kv
+    g = group_size
+    n_groups = seq_len // g
+    scale = head_dim**-0.5 if scale is None else scale
+    n_core_heads = n_heads if pooling == "query" else n_kv
+    if n_groups == 0:
+        empty = q_rot.new_zeros(bsz, n_core_heads, 0, head_dim)
+        return empty, empty.clone()
+
+    end = n_groups * g
+    # Last query of each group, split per KV head: (B, Hkv, r, P, d).
+    q_last = q_rot[:, :, g - 1 : end : g].float().view(bsz, n_kv, rep, n_groups, head_dim)
+    k_rot_g = k_rot[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
+    logits = torch.einsum("bjrpd,bjpgd->bjrpg", q_last, k_rot_g) * scale
+    if pooling == "kv":
+        logits = logits.mean(dim=2, keepdim=True)  # one weight vector per KV head, shared by its r queries
+    elif pooling != "query":
+        raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
+    weights = logits.softmax(dim=-1)  # (B, Hkv, r or 1, P, g), fp32
+
+    k_g = k[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
+    v_g = v[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
+    k_core = torch.einsum("bjrpg,bjpgd->bjrpd", weights, k_g).reshape(bsz, n_core_heads, n_groups, head_dim)
+    v_core = torch.einsum("bjrpg,bjpgd->bjrpd", weights, v_g).reshape(bsz, n_core_heads, n_groups, head_dim)
+
+    middle = torch.arange(n_groups, device=k.device) * g + g // 2
+    cos_m, sin_m = cos[..., middle, :].float(), sin[..., middle, :].float()
+    k_core = apply_rope(k_core, cos_m, sin_m)
+    return k_core.to(k.dtype), v_core.to(v.dtype)
+
+
+def cca_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    group_size: int,
+    local_window: int,
+    pooling: str = "kv",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``."""
+    if group_size < 1 or local_window < 1:
+        raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
+    bsz, n_heads, seq_len, head_dim = q.shape
+    rep = n_heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_core, v_core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
+    if k_core.shape[1] != n_heads:  # pooling "kv": each core token serves its r query heads
+        k_core, v_core = k_core.repeat_interleave(rep, 1), v_core.repeat_interleave(rep, 1)
+    k_raw, v_raw = k_rot.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    pos = torch.arange(seq_len, device=q.device)
+    n_vis = visible_core_count(pos, group_size, local_window)  # (L,)
+    raw_ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= n_vis[:, None] * group_size)
+    core_ok = torch.arange(k_core.shape[2], device=q.device)[None, :] < n_vis[:, None]
+
+    qf = q_rot.float()
+    scores = torch.cat(
+        (
+            (qf @ k_core.float().transpose(-1, -2) * scale).masked_fill(~core_ok, float("-inf")),
+            (qf @ k_raw.float().transpose(-1, -2) * scale).masked_fill(~raw_ok, float("-inf")),
+        ),
+        dim=-1,
+    )
+    probs = scores.softmax(dim=-1)  # one softmax over core tokens ++ local keys
+    out = probs @ torch.cat((v_core, v_raw), dim=2).float()
+    return out.to(q.dtype)
