@@ -1,0 +1,82 @@
+"""``cca-convert``: convert a Hugging Face causal LM to CCA attention and export it as a Hub repo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import CCAError
+
+USAGE_EXAMPLES = """examples:
+  cca-convert meta-llama/Llama-3.1-8B --output llama-3.1-8b-cca
+  cca-convert examples/tiny-llama --recipe recipes/tiny-demo.yaml --output out/tiny-cca
+  cca-convert ./my-model --set cca.group_size=8 --set cca.local_window=2048
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints the whole usage)
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="cca-convert",
+        description="Convert a Llama/Qwen2 causal LM to Core Context Aware attention and export a complete Hub repo.",
+        epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("source", metavar="SOURCE", help="Hub model id (org/name) or local model folder")
+    p.add_argument("--recipe", type=Path, help="YAML recipe (default: the shipped recipe of the model's family)")
+    p.add_argument("--output", type=Path, help="output folder (default: ./<name>-cca)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set cca.group_size=8 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit) of SOURCE")
+    return p
+
+
+def default_output(source: str) -> Path:
+    return Path(f"{Path(source.rstrip('/')).name}-cca")
+
+
+def run_convert(argv: list[str]) -> int:
+    from .convert import read_base_config
+    from .export import check_output
+    from .hub import resolve_source
+    from .pipeline import Job, run_job
+    from .recipe import load_recipe
+
+    args = convert_parser().parse_args(argv)
+    output = args.output or default_output(args.source)
+    check_output(output, args.overwrite)  # fail before any download
+    recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
+    base_dir = resolve_source(args.source, args.revision)
+    family = read_base_config(base_dir)["model_type"]
+    if recipe is None:
+        recipe, path = load_recipe(None, args.overrides, family)
+        print(f"recipe: {path.name} (default for {family})")
+    run_job(Job(source=args.source, base_dir=base_dir, output=output, recipe=recipe, overwrite=args.overwrite))
+    return 0
+
+
+COMMANDS = {}  # subcommand name -> handler(argv) -> exit code; the default command is convert
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    handler = COMMANDS.get(argv[0]) if argv else None
+    try:
+        return handler(argv[1:]) if handler else run_convert(argv)
+    except CCAError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written to the output folder", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Write a converted model as a complete Hub repo folder, atomically and tensor by tensor.
+
+The folder is built in a hidden staging folder beside the output and moved into place only after
+every stage passed, so an interrupted or failed run never leaves a folder that looks complete.
+Weights are streamed: each tensor is read (``safe_open``), cast, written into the current shard and
+dropped, so exporting an 8B model never holds more than one shard beyond the source in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from . import published
+from .errors import CCAError
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    number, unit = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", text).groups()
+    return int(float(number) * _UNITS[unit])
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise CCAError(f"output {output} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise CCAError(f"output folder {output} exists and is not empty; pass --overwrite or choose another --output")
+
+
+class Staging:
+    """A hidden folder beside ``output`` that becomes ``output`` on :meth:`commit`."""
+
+    def __init__(self, output: Path):
+        self.output = output.resolve()
+        self.path = self.output.parent / f".{self.output.name}.partial-{os.getpid()}"
+
+    def __enter__(self) -> Staging:
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir()
+        return self
+
+    def commit(self) -> None:
+        old = self.output.parent / f".{self.output.name}.old-{os.getpid()}"
+        if self.output.exists():
+            self.output.rename(old)
+        self.path.rename(self.output)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)  # gone after commit; removed on failure
+
+
+def base_weight_files(base_dir: Path) -> list[Path]:
+    index = base_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [base_dir / n for n in names]
+    files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise CCAError(f"{base_dir} has no *.safetensors weights (convert .bin checkpoints with transformers first)")
+    return files
+
+
+def stream_base_tensors(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in base_weight_files(base_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def base_tensor_names(base_dir: Path) -> list[str]:
+    names = []
+    for path in base_weight_files(base_dir):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def expected_tensor_names(config) -> set[str]:
+    """Parameter names of the CCA model for ``config`` (built on the meta device: no memory)."""
+    model_cls = published.load("modeling_cca").CCAForCausalLM
+    with torch.device("meta"):
+        model = model_cls(config)
+    names = set(model.state_dict())
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    return names
+
+
+def check_tensor_names(names: list[str], config, where: str) -> None:
+    expected = expected_tensor_names(config)
+    have = set(names) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - have), sorted(have - expected)
+    if missing or unexpected:
+        raise CCAError(
+            f"{where}: weights do not match the architecture (missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+        )
+
+
+def write_shards(
+    tensors: Iterator[tuple[str, torch.Tensor]], folder: Path, *, dtype, max_shard_bytes: int, total: int, skip=()
+) -> list[str]:
+    """Write ``model-0000i-of-0000n.safetensors`` + index; returns the shard file names."""
+    weight_map: dict[str, int] = {}
+    current, current_bytes, total_bytes = {}, 0, 0
+    tmp_names = []
+
+    def flush():
+        nonlocal current, current_bytes
+        if current:
+            name = f"shard-{len(tmp_names):05d}.tmp"
+            save_file(current, folder / name, metadata={"format": "pt"})
+            tmp_names.append(name)
+            current, current_bytes = {}, 0
+
+    for name, tensor in tqdm(tensors, total=total, desc="writing weights", unit="tensor", leave=False):
+        if name in skip:
+            continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.detach().to("cpu").contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > max_shard_bytes:
+            flush()
+        current[name] = tensor
+        current_bytes += size
+        total_bytes += size
+        weight_map[name] = len(tmp_names)
+    flush()
+
+    count = len(tmp_names)
+    final = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    for tmp, name in zip(tmp_names, final):
+        (folder / tmp).rename(folder / name)
+        (folder / name).chmod(0o644)
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return final
+
+
+def copy_code_and_tokenizer(base_dir: Path, folder: Path) -> None:
+    for path in published.published_paths():
+        shutil.copyfile(path, folder / path.name)
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).is_file():
+            shutil.copyfile(base_dir / name, folder / name)
+
+
+def write_generation_config(base_dir: Path, folder: Path, config) -> None:
+    from transformers import GenerationConfig
+
+    if (base_dir / "generation_config.json").is_file():
+        shutil.copyfile(base_dir / "generation_config.json", folder / "generation_config.json")
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(folder)

@@ -1,0 +1,96 @@
+"""The README.md model card of an exported repo (front matter through huggingface_hub)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .recipe import Recipe
+
+
+def is_hub_id(name: str) -> bool:
+    return not Path(name).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+_BODY = """
+# {name}
+
+This is **{base}** converted to **Core Context Aware (CCA) attention** (Chen et al., "Core Context
+Aware Transformers for Long Context Language Modeling", ICML 2025) with cca-convert. {trained}
+
+CCA pools every group of `g` tokens into one *core token* (weights from the group's last query) and
+lets each query attend, in one softmax, to the core tokens of distant groups plus the raw keys of its
+most recent ~`s` tokens. Attention costs O(L²/g + L·s) instead of O(L²), and the KV cache keeps only
+core tokens and the local window. No parameters were added: the weights have the base model's names.
+
+| setting | value |
+| --- | --- |
+| group size `g` | {g} |
+| local window `s` | {s} |
+| pooling | `{pooling}` ({pooling_note}) |
+| RoPE theta | {rope_theta} |
+| context length (max_position_embeddings) | {max_pos} |
+
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
+# g and s can be changed at load time without retraining (paper Sec. 4.3):
+# AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, group_size=8, local_window=2048)
+```
+
+On CUDA the attention runs as a Triton kernel (`pip install triton`); elsewhere a PyTorch reference
+implementation is used. `attn_backend="full"` at load time runs plain causal attention with the same
+weights, for A/B comparisons.
+
+{extra}
+## Recipe
+
+The exact recipe used (`cca_recipe.yaml` in this repo):
+
+```yaml
+{recipe}```
+"""
+
+
+def build_model_card(
+    config, recipe: Recipe, base_model: str, repo_name: str, *, finetuned: bool = False, extra: str = "",
+    card_data: dict | None = None,
+) -> str:
+    """Render README.md. ``extra`` is inserted before the recipe (e.g. validation results);
+    ``card_data`` adds front-matter keys (e.g. ``model-index``)."""
+    # base_model must be a Hub id; a local folder is only named in the text.
+    on_hub = is_hub_id(base_model)
+    data = ModelCardData(
+        base_model=base_model if on_hub else None,
+        base_model_relation="finetune" if on_hub else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["cca", "core-context-aware-attention", "long-context", "custom_code", config.base_model_type],
+        **(card_data or {}),
+    )
+    trained = (
+        "The attention was then adapted with a short finetune (see the recipe)."
+        if finetuned
+        else "No finetune was run: quality may be below the base model's until one is."
+    )
+    pooling_note = "one core token per KV head" if config.pooling == "kv" else "one core token per query head"
+    body = _BODY.format(
+        name=repo_name,
+        base=base_model,
+        trained=trained,
+        g=config.group_size,
+        s=config.local_window,
+        pooling=config.pooling,
+        pooling_note=pooling_note,
+        rope_theta=config.rope_parameters.get("rope_theta"),
+        max_pos=config.max_position_embeddings,
+        repo=repo_name,
+        extra=extra,
+        recipe=recipe.to_yaml(),
+    )
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))

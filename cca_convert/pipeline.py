@@ -1,0 +1,136 @@
+"""The conversion pipeline: named stages run in order over one ``Job``.
+
+convert -> load -> [finetune] -> [validate] -> export -> roundtrip -> commit -> [push]
+
+Every stage writes only inside the job's staging folder; ``commit`` moves it into place, so a run
+that fails at any stage leaves nothing that looks like a finished repo.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import export, roundtrip
+from .convert import build_cca_config
+from .errors import CCAError
+from .model_card import build_model_card
+from .recipe import Recipe
+
+
+@dataclass
+class Job:
+    source: str  # as the user named it (Hub id or folder): recorded as base_model
+    base_dir: Path  # local folder holding the base model's files
+    output: Path
+    recipe: Recipe
+    overwrite: bool = False
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    log: Callable[[str], None] = print
+    # Filled in by the stages.
+    config: Any = None
+    model: Any = None
+    staging: Path | None = None
+    finetuned: bool = False
+    card_extra: str = ""
+    card_data: dict = field(default_factory=dict)
+    roundtrip_ids: torch.Tensor | None = None
+    roundtrip_logits: torch.Tensor | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype if isinstance(self.config.dtype, torch.dtype) else getattr(torch, self.config.dtype)
+
+
+def stage_convert(job: Job) -> None:
+    job.config = build_cca_config(job.base_dir, job.recipe)
+    export.check_tensor_names(export.base_tensor_names(job.base_dir), job.config, str(job.base_dir))
+    c = job.config
+    job.log(f"  {c.base_model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
+            f"heads, head_dim {c.head_dim}; CCA g={c.group_size} s={c.local_window} pooling={c.pooling}")
+
+
+def stage_load(job: Job) -> None:
+    from . import published
+
+    model_cls = published.load("modeling_cca").CCAForCausalLM
+    job.model = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype).to(job.device)
+    job.log(f"  {sum(p.numel() for p in job.model.parameters()) / 1e6:.1f}M parameters, {job.dtype}, on {job.device}")
+
+
+def stage_export(job: Job) -> None:
+    folder = job.staging
+    recipe = job.recipe
+    if recipe.export.roundtrip:  # reference logits from the model as it is in memory
+        job.roundtrip_ids = roundtrip.probe_ids(job.config.vocab_size, recipe.export.roundtrip_tokens)
+        job.roundtrip_logits = roundtrip.model_logits(job.model, job.roundtrip_ids)
+    if job.finetuned:
+        tensors, total = iter(job.model.state_dict().items()), len(job.model.state_dict())
+    else:  # weights unchanged: stream them from the base files and free the in-memory copy first
+        job.model = None
+        gc.collect()
+        tensors, total = export.stream_base_tensors(job.base_dir), len(export.base_tensor_names(job.base_dir))
+    skip = {"lm_head.weight"} if job.config.tie_word_embeddings else set()
+    shards = export.write_shards(
+        tensors, folder, dtype=job.dtype, max_shard_bytes=export.parse_size(recipe.export.max_shard_size),
+        total=total, skip=skip,
+    )
+    job.model = None
+    gc.collect()
+    job.config.save_pretrained(folder)
+    export.copy_code_and_tokenizer(job.base_dir, folder)
+    export.write_generation_config(job.base_dir, folder, job.config)
+    (folder / "cca_recipe.yaml").write_text(recipe.to_yaml())
+    card = build_model_card(
+        job.config, recipe, base_model=job.source, repo_name=job.output.name, finetuned=job.finetuned,
+        extra=job.card_extra, card_data=job.card_data,
+    )
+    (folder / "README.md").write_text(card)
+    job.log(f"  {len(shards)} weight shard(s), code, tokenizer and model card written")
+
+
+def stage_roundtrip(job: Job) -> None:
+    atol = 1e-4 if job.dtype == torch.float32 else 2e-2
+    diff = roundtrip.roundtrip_check(job.staging, job.roundtrip_ids, job.roundtrip_logits, atol, job.device)
+    job.log(f"  reloaded in a clean process with trust_remote_code: max |logit diff| = {diff:.2e} (limit {atol})")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Job], None]
+    enabled: Callable[[Job], bool] = lambda job: True
+
+
+STAGES: list[Stage] = [
+    Stage("convert", stage_convert),
+    Stage("load", stage_load),
+    Stage("export", stage_export),
+    Stage("roundtrip", stage_roundtrip, lambda job: job.recipe.export.roundtrip),
+]
+
+
+def run_job(job: Job) -> Path:
+    """Run every enabled stage; the output folder appears only if all of them pass."""
+    export.check_output(job.output, job.overwrite)
+    stages = [s for s in STAGES if s.enabled(job)]
+    with export.Staging(job.output) as staging:
+        job.staging = staging.path
+        for i, stage in enumerate(stages, 1):
+            job.log(f"[{i}/{len(stages)}] {stage.name}")
+            start = time.perf_counter()
+            stage.run(job)
+            job.timings[stage.name] = time.perf_counter() - start
+        staging.commit()
+    job.log(f"done: {job.output} ({', '.join(f'{k} {v:.1f}s' for k, v in job.timings.items())})")
+    return job.output
+
+
+__all__ = ["Job", "Stage", "STAGES", "run_job", "CCAError"]

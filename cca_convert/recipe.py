@@ -1,0 +1,155 @@
+"""Recipes: the YAML file that says how a model is converted, finetuned, validated and exported.
+
+The schema is pydantic (unknown keys are errors); every error names the file, the line and the
+dotted key, e.g. ``recipes/x.yaml:4: cca.group_size: must be >= 1 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import recipes as _recipes_pkg
+from .errors import CCAError
+
+RECIPES_DIR = Path(_recipes_pkg.__file__).parent
+# Base model families (config.json model_type) and the recipe used when none is given.
+DEFAULT_RECIPES = {"llama": "llama-3.1-8b.yaml", "qwen2": "qwen2.5-7b.yaml"}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CCASection(Section):
+    group_size: int = Field(16, ge=1, description="tokens pooled into one core token (g)")
+    local_window: int = Field(1024, ge=1, description="raw keys each query keeps (s)")
+    pooling: Literal["kv", "query"] = "kv"
+    rope_theta: float | None = Field(None, gt=0, description="override the base RoPE theta (long-context finetunes)")
+    max_position_embeddings: int | None = Field(None, ge=1, description="override the base context length")
+    attn_backend: Literal["auto", "triton", "reference", "full"] = "auto"
+
+
+class ExportSection(Section):
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
+    roundtrip_tokens: int = Field(64, ge=1, description="prompt length of the export round-trip check")
+    roundtrip: bool = True
+
+
+class Recipe(Section):
+    cca: CCASection = CCASection()
+    export: ExportSection = ExportSection()
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """Map each dotted key path of a YAML mapping to its 1-based line number."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                sub = path + (key.value,)
+                lines[sub] = key.start_mark.line + 1
+                walk(value, sub)
+
+    try:
+        walk(yaml.compose(text), ())
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _describe(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = err["msg"]
+    if "input" in err and not isinstance(err["input"], dict):
+        msg += f" (got {err['input']!r})"
+    return msg
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise CCAError(f"--set {dotted}: '{key}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key.strip()):
+            raise CCAError(f"--set expects KEY=VALUE with a dotted key, e.g. cca.group_size=8 (got {pair!r})")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None = None) -> tuple[Recipe, Path]:
+    """Read a recipe (or the family default), apply ``--set`` overrides, validate. Raises CCAError."""
+    if path is None:
+        if family not in DEFAULT_RECIPES:
+            raise CCAError(f"no default recipe for model family {family!r}; pass --recipe FILE")
+        path = RECIPES_DIR / DEFAULT_RECIPES[family]
+    path = Path(path)
+    if not path.is_file():
+        raise CCAError(f"recipe file not found: {path}")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise CCAError(f"{where}: malformed YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CCAError(f"{path}:1: a recipe must be a mapping of sections (cca:, export:, ...)")
+    set_keys = {}
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(data, key, value)
+        set_keys[tuple(key.split("."))] = f"--set {key}={value}"
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        lines = _line_index(text)
+        err = exc.errors()[0]
+        loc = tuple(str(p) for p in err["loc"])
+        dotted = ".".join(loc)
+        where = set_keys.get(loc) or (f"{path}:{lines[loc]}" if loc in lines else str(path))
+        msg = f"{where}: {dotted}: {_describe(err)}"
+        if err["type"] == "extra_forbidden":
+            msg += f"; known keys here: {', '.join(_known_keys(Recipe, loc))}"
+        more = len(exc.errors()) - 1
+        raise CCAError(msg + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    return recipe, path

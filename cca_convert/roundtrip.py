@@ -1,0 +1,76 @@
+"""Round-trip stage: load the exported folder the way users will, and compare logits.
+
+The check runs in a fresh Python process where ``cca_convert`` cannot be imported, with an empty
+transformers module cache, so it proves the folder is self-contained: ``config.json``'s ``auto_map``,
+the published code files and the weights are all that the loaded model gets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+
+from .errors import CCAError
+
+_LOADER = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class _Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "cca_convert" or name.startswith("cca_convert."):
+                raise ImportError("cca_convert must not be importable in the round-trip check")
+
+    sys.meta_path.insert(0, _Block())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, ids_path, out_path, device = sys.argv[1:5]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto").to(device).eval()
+    with torch.no_grad():
+        logits = model(torch.load(ids_path).to(device), use_cache=False).logits.float().cpu()
+    torch.save(logits, out_path)
+    """
+)
+
+
+def probe_ids(vocab_size: int, length: int) -> torch.Tensor:
+    """Deterministic token ids for the check (no tokenizer needed)."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (1, length), generator=gen)
+
+
+def model_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids.to(model.device), use_cache=False).logits.float().cpu()
+
+
+def roundtrip_check(folder: Path, input_ids: torch.Tensor, expected: torch.Tensor, atol: float, device="cpu") -> float:
+    """Load ``folder`` in a clean subprocess; raise CCAError unless its logits match ``expected``."""
+    with tempfile.TemporaryDirectory(prefix="cca-roundtrip-") as tmp:
+        ids_path, out_path = Path(tmp) / "ids.pt", Path(tmp) / "logits.pt"
+        torch.save(input_ids, ids_path)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(HF_MODULES_CACHE=str(Path(tmp) / "modules"), HF_HUB_OFFLINE="1")
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOADER, str(folder), str(ids_path), str(out_path), str(device)],
+            cwd=tmp, env=env, capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
+            raise CCAError(f"round trip: the exported folder does not load with trust_remote_code: {tail}")
+        got = torch.load(out_path).float()
+    if got.shape != expected.shape:
+        raise CCAError(f"round trip: logits shape {tuple(got.shape)} != in-process {tuple(expected.shape)}")
+    diff = (got - expected).abs().max().item()
+    if not diff <= atol:
+        raise CCAError(f"round trip: exported model's logits differ from the in-process model's by {diff:.3g} (> {atol})")
+    return diff
