@@ -35,6 +35,8 @@ def convert_parser() -> argparse.ArgumentParser:
                    help="override a recipe key, e.g. --set cca.group_size=8 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) of SOURCE")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted finetune from its last checkpoint")
+    p.add_argument("--force", action="store_true", help="export (and push) even if a validation gate fails")
     return p
 
 
@@ -58,7 +60,9 @@ def run_convert(argv: list[str]) -> int:
     if recipe is None:
         recipe, path = load_recipe(None, args.overrides, family)
         print(f"recipe: {path.name} (default for {family})")
-    run_job(Job(source=args.source, base_dir=base_dir, output=output, recipe=recipe, overwrite=args.overwrite))
+    job = Job(source=args.source, base_dir=base_dir, output=output, recipe=recipe, overwrite=args.overwrite,
+              resume=args.resume, force=args.force)
+    run_job(job)
     return 0
 
 

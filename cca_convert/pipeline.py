@@ -9,6 +9,7 @@ that fails at any stage leaves nothing that looks like a finished repo.
 from __future__ import annotations
 
 import gc
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ class Job:
     output: Path
     recipe: Recipe
     overwrite: bool = False
+    resume: bool = False  # continue an interrupted finetune from its last checkpoint
+    force: bool = False  # go on past failed validation gates
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     log: Callable[[str], None] = print
     # Filled in by the stages.
@@ -43,6 +46,11 @@ class Job:
     roundtrip_ids: torch.Tensor | None = None
     roundtrip_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def work_dir(self) -> Path:
+        """Survives failed runs (finetune checkpoints live here); removed once the output is committed."""
+        return self.output.resolve().parent / f".{self.output.name}.work"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,6 +137,7 @@ def run_job(job: Job) -> Path:
             stage.run(job)
             job.timings[stage.name] = time.perf_counter() - start
         staging.commit()
+    shutil.rmtree(job.work_dir, ignore_errors=True)
     job.log(f"done: {job.output} ({', '.join(f'{k} {v:.1f}s' for k, v in job.timings.items())})")
     return job.output
 
