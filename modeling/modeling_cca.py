@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -183,8 +183,8 @@ class CCAModel(CCAPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None and not self.training:
-            past_key_values = DynamicCache(config=self.config) if self.config.attn_backend == "full" else CCACache(self.config)
+        if use_cache and not self.training:  # generate() passes an empty DynamicCache: CCA swaps in a CCACache
+            past_key_values = CCACache.prepare(self.config, past_key_values)
         if not use_cache:
             past_key_values = None
 

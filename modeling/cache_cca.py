@@ -1,0 +1,395 @@
+"""Compressed KV cache for CCA decoding (CCA-SPEC.md, "Decoding with a cache").
+
+Per layer, for a batch of ``B`` sequences where sequence ``b`` has seen ``T_b`` real tokens:
+
+- ``core_k, core_v`` (B, C, P_cap, d): the core tokens of its ``T_b // g`` complete groups, each pooled
+  once when the group's last token is processed (``C = Hkv`` for pooling ``kv``, ``H`` for ``query``).
+  ``core_k`` is RoPE-rotated at the group's middle position.
+- ``win_k, win_v`` (B, Hkv, W, d), ``W = s + g - 1``: rotated keys and values of the last ``W`` positions,
+  a ring buffer indexed by ``position % W``. A query at ``t`` sees raw ``[n(t)*g, t]``, at most ``s+g-1``
+  positions, all inside the ring; the ring also always holds the group just completed (``W >= g``).
+- ``grp_k`` (B, Hkv, g, d): pre-RoPE keys of the last ``g`` positions (ring, ``position % g``): pooling
+  combines pre-RoPE keys and rotates the result at the group middle.
+- ``mid_cos, mid_sin`` (B, d): rotary tables of the current group's middle position.
+
+Memory per layer and sequence: ``(T/g)*C*2 + (s+g-1)*Hkv*2 + g*Hkv`` vectors of ``d`` values, against
+``2*T*Hkv`` for a full cache (``cache_bytes`` below computes it).
+
+Padding: each sequence keeps its own count ``T_b`` (a tensor), so sequences of different lengths share
+the tensors above without realignment: core slot ``p`` is group ``p`` of that sequence, ring slots are
+indexed by that sequence's own positions. Pad columns (``attention_mask == 0``) are never written,
+never pooled and never keys. ``get_seq_length()`` counts columns, pads included, as ``generate()`` expects.
+
+The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
+the compressed state; later calls run the decode kernel (one token) or exact torch math over
+``[core tokens ++ ring ++ new chunk]`` (chunked prefill), pooling groups as they complete.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from .cca_reference import apply_rope, pool_core_tokens
+
+try:
+    from .cca_decode_triton import cca_decode_attention_triton
+except ImportError:  # triton is optional
+    cca_decode_attention_triton = None
+
+CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
+
+
+def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale):
+    """One query per sequence over its visible core tokens and raw ring slots (twin of the Triton kernel).
+
+    ``q`` (B, H, d) rotated; ``core_k/v`` (B, C, P, d) with ``C`` = Hkv or H; ``n_core`` (B,) core tokens
+    visible; ``win_k/v`` (B, Hkv, W, d) ring indexed by position % W; ``pos`` (B,) the query position
+    (already written to the ring); raw slots holding positions ``>= win_lo`` (B,) are visible.
+    Returns (B, H, d) in ``q.dtype``; softmax in fp32.
+    """
+    bsz, n_heads, head_dim = q.shape
+    n_kv, window = win_k.shape[1], win_k.shape[2]
+    rep = n_heads // n_kv
+    qf = q.float().view(bsz, n_kv, rep, head_dim)
+    if core_k.shape[1] == n_kv:
+        core_s = torch.einsum("bjrd,bjpd->bjrp", qf, core_k.float())
+    else:
+        core_s = torch.einsum("bhd,bhpd->bhp", q.float(), core_k.float()).view(bsz, n_kv, rep, -1)
+    slot = torch.arange(window, device=q.device)
+    slot_pos = pos[:, None] - torch.remainder(pos[:, None] - slot, window)  # position held by each slot
+    core_ok = torch.arange(core_k.shape[2], device=q.device)[None] < n_core[:, None]
+    raw_ok = slot_pos >= win_lo[:, None]
+    scores = torch.cat(
+        (
+            (core_s * scale).masked_fill(~core_ok[:, None, None], float("-inf")),
+            (torch.einsum("bjrd,bjwd->bjrw", qf, win_k.float()) * scale).masked_fill(~raw_ok[:, None, None], float("-inf")),
+        ),
+        dim=-1,
+    )
+    probs = scores.softmax(-1)
+    n_core_slots = core_k.shape[2]
+    pc, pw = probs[..., :n_core_slots], probs[..., n_core_slots:]
+    if core_k.shape[1] == n_kv:
+        out = torch.einsum("bjrp,bjpd->bjrd", pc, core_v.float())
+    else:
+        out = torch.einsum("bhp,bhpd->bhd", pc.reshape(bsz, n_heads, -1), core_v.float()).view(bsz, n_kv, rep, -1)
+    out = out + torch.einsum("bjrw,bjwd->bjrd", pw, win_v.float())
+    return out.reshape(bsz, n_heads, head_dim).to(q.dtype)
+
+
+def _ring_gather(x: torch.Tensor, seen: torch.Tensor, size: int) -> torch.Tensor:
+    """Ring of ``size`` slots holding the last ``size`` positions of rows whose tokens are ``x[:, :, :seen_b]``."""
+    slot = torch.arange(size, device=x.device)
+    last = (seen - 1)[:, None]
+    src = (last - torch.remainder(last - slot, size)).clamp(0, x.shape[2] - 1)  # (B, size)
+    return x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` gathered per batch row along ``dim`` at indices ``idx`` (B, n)."""
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = idx.shape[1]
+    expand = list(x.shape)
+    expand[dim] = idx.shape[1]
+    return x.gather(dim, idx.view(shape).expand(expand))
+
+
+class CCALayerCache(CacheLayerMixin):
+    """Compressed state of one attention layer (see the module docstring)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.cols = 0  # columns processed, pads included (what generate() calls the sequence length)
+        self.max_seen = 0  # host-side upper bound of max_b T_b (sizes buffers without a device sync)
+        self.seen = None  # (B,) real tokens per sequence
+
+    # --- transformers Cache layer API -------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("CCALayerCache stores pooled state; attention goes through CCACache.cca_attention")
+
+    def get_seq_length(self) -> int:
+        return self.cols
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cols + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _tensors(self):
+        return ("seen", "core_k", "core_v", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin")
+
+    def reset(self):
+        for name in self._tensors():
+            setattr(self, name, None)
+        self.cols = self.max_seen = 0
+
+    def _map(self, fn):
+        if self.seen is not None:
+            for name in self._tensors():
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx):
+        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_select_indices(self, indices):
+        self._map(lambda x: x[indices])
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def offload(self):
+        self._map(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("a CCA cache cannot be cropped: pooled groups cannot be un-pooled")
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's state tensors."""
+        if self.seen is None:
+            return 0
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensors())
+
+    # --- attention -------------------------------------------------------------------------------
+    def attend(self, q, k, v, cos, sin, attention_mask, scale):
+        """CCA attention of the new tokens (pre-RoPE q/k) against the cached state; updates the state."""
+        mask = attention_mask[:, -q.shape[2] :].bool() if attention_mask is not None and attention_mask.dim() == 2 else None
+        if self.seen is None:
+            return self._prefill(q, k, v, cos, sin, mask, scale)
+        cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
+        if q.shape[2] == 1:
+            return self._decode(q, k, v, cos, sin, mask, scale)
+        return self._extend(q, k, v, cos, sin, mask, scale)
+
+    def _grow_core(self, needed: int):
+        have = self.core_k.shape[2]
+        if have < needed:
+            pad = needed + CORE_SLACK - have
+            z = self.core_k.new_zeros(self.core_k.shape[0], self.core_k.shape[1], pad, self.core_k.shape[3])
+            self.core_k, self.core_v = torch.cat((self.core_k, z), 2), torch.cat((self.core_v, z), 2)
+
+    def _prefill(self, q, k, v, cos, sin, mask, scale):
+        # modeling_cca imports this file: import its no-cache attention lazily (same code as use_cache=False)
+        from .modeling_cca import cca_attention, left_padding, shift_rows
+
+        cfg = self.config
+        bsz, _, seq_len, _ = q.shape
+        g, window = cfg.group_size, cfg.local_window + cfg.group_size - 1
+        cos, sin = cos.expand(bsz, -1, -1), sin.expand(bsz, -1, -1)
+        n_pad = left_padding(mask)
+        if n_pad is not None:  # real tokens first, as in the no-cache path
+            q, k, v = (shift_rows(x, n_pad, 2) for x in (q, k, v))
+            cos, sin = (shift_rows(x, n_pad, 1) for x in (cos, sin))
+        out = cca_attention(q, k, v, cos, sin, cfg, scale)
+        if n_pad is not None:
+            out = shift_rows(out, seq_len - n_pad, 2)
+
+        seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=q.device)
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.core_k, self.core_v = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, g, cfg.pooling, scale)
+        self.win_k, self.win_v = _ring_gather(k_rot, seen, window), _ring_gather(v, seen, window)
+        self.grp_k = _ring_gather(k, seen, g)
+        mid = ((seen // g) * g + g // 2).clamp(max=seq_len - 1)[:, None]  # current group's middle (if seen)
+        self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]
+        self.seen, self.cols, self.max_seen = seen, seq_len, seq_len
+        return out
+
+    def _decode(self, q, k, v, cos, sin, mask, scale):
+        cfg = self.config
+        g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
+        bsz, _, _, head_dim = q.shape
+        window = self.win_k.shape[2]
+        t = self.seen  # position of the new token, per sequence
+        real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
+        q_rot, k_rot = apply_rope(q, cos, sin)[:, :, 0], apply_rope(k, cos, sin)[:, :, 0]
+        rows = torch.arange(bsz, device=q.device)
+
+        def put(buf, slot, val):  # buf[b, :, slot_b] = val[b] where the token is real
+            buf[rows, :, slot] = torch.where(real[:, None, None], val, buf[rows, :, slot])
+
+        put(self.win_k, t % window, k_rot)
+        put(self.win_v, t % window, v[:, :, 0])
+        put(self.grp_k, t % g, k[:, :, 0])
+        is_mid = (real & (t % g == g // 2))[:, None]
+        self.mid_cos = torch.where(is_mid, cos[:, 0], self.mid_cos)
+        self.mid_sin = torch.where(is_mid, sin[:, 0], self.mid_sin)
+
+        n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
+        attend = cca_decode_attention_torch
+        if q.is_cuda and cca_decode_attention_triton is not None and cfg.attn_backend != "reference":
+            attend = cca_decode_attention_triton
+        out = attend(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
+        out = torch.where(real[:, None, None], out, torch.zeros_like(out))[:, :, None]
+
+        # Pool the group ending at t (for every row; only rows whose group completed keep the result:
+        # the others write an unused slot past their core count).
+        grp = t[:, None] - (g - 1) + torch.arange(g, device=q.device)  # (B, g) positions t-g+1 .. t
+        k_rot_g = _rows(self.win_k, grp % window, 2)
+        v_g = _rows(self.win_v, grp % window, 2)
+        k_g = _rows(self.grp_k, grp % g, 2)
+        cos_g = self.mid_cos[:, None].expand(-1, g, -1)
+        sin_g = self.mid_sin[:, None].expand(-1, g, -1)
+        q_g = q_rot[:, :, None].expand(-1, -1, g, -1)
+        ck, cv = pool_core_tokens(q_g, k_rot_g, k_g, v_g, cos_g, sin_g, g, pooling, scale)  # (B, C, 1, d)
+        self._grow_core(self.max_seen // g + 1)
+        slot = t // g
+        self.core_k[rows, :, slot] = ck[:, :, 0]
+        self.core_v[rows, :, slot] = cv[:, :, 0]
+
+        self.seen = t + real.long()
+        self.cols += 1
+        self.max_seen += 1
+        return out
+
+    def _extend(self, q, k, v, cos, sin, mask, scale):
+        """A chunk of several tokens after a prefill: exact torch math (no full-length state kept)."""
+        cfg = self.config
+        g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
+        bsz, n_heads, q_len, head_dim = q.shape
+        n_kv = k.shape[1]
+        rep = n_heads // n_kv
+        window = self.win_k.shape[2]
+        dev = q.device
+        if mask is not None:  # real tokens of the chunk first (left padding: they are its suffix)
+            lead = (~mask).long().cumprod(-1).sum(-1)
+            n_new = mask.sum(-1)
+            idx = (torch.arange(q_len, device=dev)[None] + lead[:, None]) % q_len
+            q, k, v = (_rows(x, idx, 2) for x in (q, k, v))
+            cos, sin = _rows(cos, idx, 1), _rows(sin, idx, 1)
+        else:
+            lead, n_new = None, torch.full((bsz,), q_len, device=dev)
+        T = self.seen
+        col = torch.arange(q_len, device=dev)
+        pos = T[:, None] + col  # (B, q_len) positions of the (aligned) chunk columns
+        real = col[None] < n_new[:, None]
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        # 1. Pool the groups that complete inside the chunk. Build each row's sequence from the start of
+        #    its current group: the g-1 positions before the chunk (from the rings) ++ the chunk.
+        old = T[:, None] - (g - 1) + torch.arange(g - 1, device=dev)  # (B, g-1)
+        k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
+        v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
+        k_x = torch.cat((_rows(self.grp_k, old % g, 2), k), 2)
+        q_x = torch.cat((q_rot.new_zeros(bsz, n_heads, g - 1, head_dim), q_rot), 2)
+        cos_x = torch.cat((self.mid_cos[:, None].expand(-1, g - 1, -1), cos), 1)
+        sin_x = torch.cat((self.mid_sin[:, None].expand(-1, g - 1, -1), sin), 1)
+        ext = g - 1 + q_len
+        r_old = T % g
+        align = (torch.arange(ext, device=dev)[None] + (g - 1) - r_old[:, None]).clamp(max=ext - 1)
+        new_ck, new_cv = pool_core_tokens(
+            _rows(q_x, align, 2), _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
+            _rows(cos_x, align, 1), _rows(sin_x, align, 1), g, pooling, scale,
+        )  # (B, C, ext // g, d); row b's first (r_old + n_new) // g are real
+        p_old = T // g
+        n_groups_new = (r_old + n_new) // g
+
+        # 2. Attention: one softmax over [old core ++ new core ++ ring ++ chunk] with per-query visibility.
+        n_vis = torch.div(pos + 1 - s, g, rounding_mode="floor").clamp_min(0)  # (B, q_len)
+        lo = n_vis * g
+        core_old_ok = torch.arange(self.core_k.shape[2], device=dev)[None, None] < torch.minimum(n_vis, p_old[:, None])[..., None]
+        k_new_idx = torch.arange(new_ck.shape[2], device=dev)
+        core_new_ok = ((p_old[:, None] + k_new_idx)[:, None, :] < n_vis[..., None]) & (k_new_idx[None, None] < n_groups_new[:, None, None])
+        slot = torch.arange(window, device=dev)
+        slot_pos = (T - 1)[:, None] - torch.remainder((T - 1)[:, None] - slot, window)  # (B, W)
+        ring_ok = (slot_pos[:, None, :] >= lo[..., None]) & (slot_pos[:, None, :] >= 0)
+        chunk_ok = (col[None, None, :] <= col[None, :, None]) & (pos[:, None, :] >= lo[..., None]) & real[:, None, :]
+        chunk_ok = chunk_ok | (~real[..., None] & (col[None, None, :] == col[None, :, None]))  # pad queries: one key
+        ok = torch.cat((core_old_ok, core_new_ok, ring_ok, chunk_ok), -1)[:, None, None]  # (B,1,1,q,K)
+
+        qf = q_rot.float().view(bsz, n_kv, rep, q_len, head_dim)
+
+        def scores(keys):  # keys (B, C, n, d) -> (B, Hkv, r, q, n)
+            if keys.shape[1] == n_kv:
+                return torch.einsum("bjrqd,bjnd->bjrqn", qf, keys.float())
+            return torch.einsum("bjrqd,bjrnd->bjrqn", qf, keys.float().view(bsz, n_kv, rep, -1, head_dim))
+
+        sc = torch.cat([scores(x) for x in (self.core_k, new_ck, self.win_k, k_rot)], -1) * scale
+        probs = sc.masked_fill(~ok, float("-inf")).softmax(-1)
+        out = 0
+        start = 0
+        for vals in (self.core_v, new_cv, self.win_v, v):
+            n = vals.shape[2]
+            p = probs[..., start : start + n]
+            if vals.shape[1] == n_kv:
+                out = out + torch.einsum("bjrqn,bjnd->bjrqd", p, vals.float())
+            else:
+                out = out + torch.einsum("bjrqn,bjrnd->bjrqd", p, vals.float().view(bsz, n_kv, rep, -1, head_dim))
+            start += n
+        out = out.reshape(bsz, n_heads, q_len, head_dim).to(q.dtype)
+        if lead is not None:  # back to the caller's column order; pad columns give zeros
+            out = torch.where(real[:, None, :, None], out, torch.zeros_like(out))
+            out = _rows(out, (col[None] - lead[:, None]) % q_len, 2)
+
+        # 3. Update the state.
+        self._grow_core(self.max_seen // g + new_ck.shape[2])
+        dest = p_old[:, None] + k_new_idx  # row b's new groups land at its own core slots
+        self.core_k.scatter_(2, dest[:, None, :, None].expand(-1, new_ck.shape[1], -1, head_dim), new_ck)
+        self.core_v.scatter_(2, dest[:, None, :, None].expand(-1, new_cv.shape[1], -1, head_dim), new_cv)
+        T_new = T + n_new
+        for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", g, k)):
+            ring = getattr(self, name)
+            last = (T_new - 1)[:, None]
+            slot_pos = last - torch.remainder(last - torch.arange(size, device=dev), size)
+            from_chunk = (slot_pos >= T[:, None])[:, None, :, None]
+            fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2)
+            setattr(self, name, torch.where(from_chunk, fresh, ring))
+        last_mid = n_new - 1 - torch.remainder(T + n_new - 1 - g // 2, g)  # chunk column of the newest middle
+        has_mid = (last_mid >= 0)[:, None]
+        self.mid_cos = torch.where(has_mid, _rows(cos, last_mid.clamp_min(0)[:, None], 1)[:, 0], self.mid_cos)
+        self.mid_sin = torch.where(has_mid, _rows(sin, last_mid.clamp_min(0)[:, None], 1)[:, 0], self.mid_sin)
+        self.seen = T_new
+        self.cols += q_len
+        self.max_seen += q_len
+        return out
+
+
+class CCACache(Cache):
+    """Per-layer compressed CCA state (see the module docstring). Reads ``group_size``, ``local_window``
+    and ``pooling`` from the model's config, so load-time overrides apply."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
+        self.config = config
+
+    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale):
+        """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``) for layer ``layer_idx``."""
+        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    @staticmethod
+    def prepare(config, past_key_values):
+        """The cache a forward with ``use_cache`` should use: the given one, or a fresh one. An empty
+        non-CCA cache (``generate()`` creates a DynamicCache) is replaced by a CCACache for CCA backends."""
+        if config.attn_backend == "full":
+            return DynamicCache(config=config) if past_key_values is None else past_key_values
+        if past_key_values is None or (not isinstance(past_key_values, CCACache) and past_key_values.get_seq_length() == 0):
+            return CCACache(config)
+        if not isinstance(past_key_values, CCACache):
+            raise TypeError(f"CCA attention needs a CCACache, got a non-empty {type(past_key_values).__name__}")
+        return past_key_values
+
+
+def cache_bytes(seq_len, num_layers, n_heads, n_kv, head_dim, group_size, local_window, pooling="kv", dtype_bytes=2, batch=1):
+    """Analytic bytes of a CCA cache at ``seq_len`` tokens, and of transformers' full DynamicCache."""
+    core_heads = n_heads if pooling == "query" else n_kv
+    per_layer = (
+        2 * (seq_len // group_size) * core_heads * head_dim  # core K, V
+        + 2 * (local_window + group_size - 1) * n_kv * head_dim  # ring of raw K~, V
+        + group_size * n_kv * head_dim  # pre-RoPE keys of the current group
+        + 2 * head_dim  # rotary tables of the group middle
+    ) * dtype_bytes + 8  # per-sequence count
+    full = 2 * seq_len * n_kv * head_dim * dtype_bytes
+    return batch * num_layers * per_layer, batch * num_layers * full

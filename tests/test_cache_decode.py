@@ -1,0 +1,268 @@
+"""Compressed CCA cache and decoding: prefill + decode == one full forward (CCA-SPEC.md, "Decoding with a cache")."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from cca_convert import published
+
+mc = published.load("modeling_cca")
+cc = published.load("configuration_cca")
+cache_mod = published.load("cache_cca")
+
+ATOL = 2e-4
+VOCAB = 101
+
+
+def make_model(pooling="kv", g=4, s=6, heads=4, kv_heads=2, layers=2, seed=0, **extra):
+    torch.manual_seed(seed)
+    llama = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    cfg = cc.CCAConfig(**llama.to_dict(), group_size=g, local_window=s, pooling=pooling, **extra)
+    return mc.CCAForCausalLM(cfg).float().eval()
+
+
+def cached_logits(model, ids, chunks, mask=None):
+    """Feed ``ids`` in chunks of the given sizes through one cache; returns the concatenated logits."""
+    out, cache, i, logits = None, None, 0, []
+    for c in chunks:
+        kw = {} if mask is None else {"attention_mask": mask[:, : i + c]}
+        out = model(ids[:, i : i + c], past_key_values=cache, use_cache=True, **kw)
+        cache, i = out.past_key_values, i + c
+        logits.append(out.logits)
+    assert i == ids.shape[1]
+    assert isinstance(cache, cache_mod.CCACache)
+    return torch.cat(logits, 1), cache
+
+
+CONFIGS = [  # (pooling, g, s, heads, kv_heads)
+    ("kv", 4, 6, 4, 2),  # GQA, g does not divide s
+    ("query", 4, 6, 4, 2),
+    ("kv", 3, 8, 4, 4),  # MHA
+    ("query", 5, 3, 4, 1),  # g > s, MQA
+    ("kv", 1, 2, 4, 2),  # every token its own group
+]
+
+
+@pytest.mark.parametrize("pooling,g,s,heads,kv_heads", CONFIGS)
+@torch.no_grad()
+def test_prefill_then_decode_matches_full_forward(pooling, g, s, heads, kv_heads):
+    model = make_model(pooling, g, s, heads, kv_heads)
+    ids = torch.randint(3, VOCAB, (2, 37))
+    full = model(ids, use_cache=False).logits
+    prompt = 11  # crosses s; decoding crosses many group boundaries
+    dec, cache = cached_logits(model, ids, [prompt] + [1] * (37 - prompt))
+    torch.testing.assert_close(dec, full, atol=ATOL, rtol=0)
+    assert cache.get_seq_length() == 37
+    layer = cache.layers[0]
+    assert layer.seen.tolist() == [37, 37]
+    assert layer.win_k.shape[2] == s + g - 1  # raw keys: never more than s+g-1 slots
+
+
+@pytest.mark.parametrize("pooling,g,s,heads,kv_heads", CONFIGS[:4])
+@torch.no_grad()
+def test_chunked_prefill_matches_full_forward(pooling, g, s, heads, kv_heads):
+    model = make_model(pooling, g, s, heads, kv_heads)
+    ids = torch.randint(3, VOCAB, (2, 45))
+    full = model(ids, use_cache=False).logits
+    chunked, _ = cached_logits(model, ids, [5, 7, 3, 11, 1, 2, 9, 1, 6])
+    torch.testing.assert_close(chunked, full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pooling", ["kv", "query"])
+@torch.no_grad()
+def test_left_padded_batch_matches_single_sequences(pooling):
+    model = make_model(pooling, 4, 6, 4, 2)
+    lengths, total = [30, 17, 9], 30
+    ids = torch.randint(3, VOCAB, (3, total))
+    mask = torch.zeros(3, total, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, total - n :] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    # prompt of 13 columns (one row is all padding then), a chunk of 5, then token by token
+    for chunks in ([13] + [1] * 17, [6, 7, 5] + [1] * 12):
+        logits, cache = cached_logits(model, ids, chunks, mask)
+        assert cache.layers[1].seen.tolist() == lengths
+        for b, n in enumerate(lengths):
+            single = model(ids[b : b + 1, total - n :], use_cache=False).logits[0]
+            torch.testing.assert_close(logits[b, total - n :], single, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_generate_greedy_with_cache_equals_without_cache():
+    model = make_model("kv", 4, 6, 4, 2)
+    ids = torch.randint(3, VOCAB, (3, 14))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=25, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with_cache = model.generate(ids, use_cache=True, **kw)
+    without = model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(with_cache, without)
+    chunked = model.generate(ids, use_cache=True, prefill_chunk_size=4, **kw)
+    assert torch.equal(chunked, without)
+
+
+@torch.no_grad()
+def test_generate_sampling_runs():
+    model = make_model("query", 4, 6, 4, 2)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    torch.manual_seed(1234)
+    a = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(1234)
+    b = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+    assert a.shape == (2, 30) and torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_group_size_override_at_load_uses_new_g(tmp_path):
+    model = make_model("kv", 4, 6, 4, 2)
+    model.save_pretrained(tmp_path)
+    loaded = mc.CCAForCausalLM.from_pretrained(tmp_path, group_size=3, local_window=5).float().eval()
+    assert (loaded.config.group_size, loaded.config.local_window) == (3, 5)
+    ids = torch.randint(3, VOCAB, (1, 30))
+    full = loaded(ids, use_cache=False).logits
+    dec, cache = cached_logits(loaded, ids, [8] + [1] * 22)
+    torch.testing.assert_close(dec, full, atol=ATOL, rtol=0)
+    assert cache.layers[0].core_k.shape[2] >= 30 // 3 and cache.layers[0].win_k.shape[2] == 5 + 3 - 1
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(loaded.generate(ids, **kw), loaded.generate(ids, use_cache=False, **kw))
+
+
+@torch.no_grad()
+def test_full_backend_keeps_dynamic_cache():
+    model = make_model("kv", 4, 6, 4, 2, attn_backend="full")
+    ids = torch.randint(3, VOCAB, (2, 12))
+    out = model(ids, use_cache=True)
+    assert isinstance(out.past_key_values, transformers.DynamicCache)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_decode_torch_twin_matches_reference_one_query():
+    """The decode function on a hand-built state equals the reference attention's last row."""
+    ref = published.load("cca_reference")
+    torch.manual_seed(0)
+    g, s, L, H, Hkv, d = 4, 7, 29, 6, 2, 8
+    for pooling in ("kv", "query"):
+        q, k, v = torch.randn(2, H, L, d), torch.randn(2, Hkv, L, d), torch.randn(2, Hkv, L, d)
+        cfg = transformers.LlamaConfig(hidden_size=H * d, num_attention_heads=H, head_dim=d, max_position_embeddings=64)
+        cos, sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)(q, torch.arange(L)[None])
+        expect = ref.cca_attention_reference(q, k, v, cos[0], sin[0], g, s, pooling)[:, :, -1]
+        q_rot, k_rot = ref.apply_rope(q, cos[0], sin[0]), ref.apply_rope(k, cos[0], sin[0])
+        ck, cv = ref.pool_core_tokens(q_rot, k_rot, k, v, cos[0], sin[0], g, pooling)
+        W = s + g - 1
+        t = torch.full((2,), L - 1)
+        slots = (torch.arange(L - W, L)) % W
+        wk, wv = torch.zeros(2, Hkv, W, d), torch.zeros(2, Hkv, W, d)
+        wk[:, :, slots], wv[:, :, slots] = k_rot[:, :, L - W :], v[:, :, L - W :]
+        n = ref.visible_core_count(t, g, s)
+        got = cache_mod.cca_decode_attention_torch(q_rot[:, :, -1], ck, cv, n, wk, wv, t, n * g, d**-0.5)
+        torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+
+
+def test_cache_size_llama31_8b_128k():
+    """Bytes at 128K context for the Llama-3.1-8B layout: analytic, and measured by filling one layer."""
+    layout = dict(num_layers=32, n_heads=32, n_kv=8, head_dim=128, group_size=16, local_window=1024, dtype_bytes=2)
+    L = 128 * 1024
+    res = {}
+    for pooling in ("kv", "query"):
+        cca, full = cache_mod.cache_bytes(L, pooling=pooling, **layout)
+        res[pooling] = cca / full
+        print(f"128K Llama-3.1-8B bf16 g=16 s=1024 pooling={pooling}: CCA {cca / 2**30:.3f} GiB, "
+              f"full DynamicCache {full / 2**30:.3f} GiB, ratio {100 * cca / full:.2f}%")
+    assert res["kv"] <= 0.08
+    assert 0.24 < res["query"] < 0.28
+
+    # Measured: fill one layer with the same head layout at a smaller scale (g=16, s=64, 2048 tokens),
+    # compare with the analytic formula scaled the same way.
+    g, s, L_small, d = 16, 64, 2048, 16
+    for pooling in ("kv", "query"):
+        cfg = cc.CCAConfig(num_hidden_layers=1, hidden_size=32 * d, num_attention_heads=32, num_key_value_heads=8,
+                           group_size=g, local_window=s, pooling=pooling)
+        cache = cache_mod.CCACache(cfg)
+        q = torch.randn(1, 32, L_small, d, dtype=torch.bfloat16)
+        k, v = torch.randn(1, 8, L_small, d, dtype=torch.bfloat16), torch.randn(1, 8, L_small, d, dtype=torch.bfloat16)
+        pos = torch.arange(L_small, dtype=torch.float32)
+        freq = pos[:, None] * (10000 ** (-torch.arange(0, d, 2) / d))[None]
+        emb = torch.cat((freq, freq), -1)
+        with torch.no_grad():
+            cache.cca_attention(0, q, k, v, emb.cos().bfloat16(), emb.sin().bfloat16(), None, d**-0.5)
+        measured = cache.layers[0].nbytes()
+        analytic, full = cache_mod.cache_bytes(L_small, 1, 32, 8, d, g, s, pooling, 2)
+        print(f"measured one layer ({L_small} tokens, g={g}, s={s}, hd={d}, pooling={pooling}): {measured} B, "
+              f"analytic {analytic} B, full {full} B ({100 * measured / full:.2f}%)")
+        assert measured == analytic
+
+
+_INTERPRET_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from cca_convert import published
+    cache_mod = published.load("cache_cca")
+    kern = published.load("cca_decode_triton")
+    torch.manual_seed(0)
+    for (B, H, Hkv, d, P, W, pooling) in [(2, 4, 2, 16, 37, 11, "kv"), (3, 6, 2, 16, 20, 9, "query"), (1, 2, 2, 32, 0, 5, "kv")]:
+        C = Hkv if pooling == "kv" else H
+        q = torch.randn(B, H, d)
+        ck, cv = torch.randn(B, C, P, d), torch.randn(B, C, P, d)
+        wk, wv = torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, W, d)
+        pos = torch.randint(0, 60, (B,))
+        n_core = torch.randint(0, P + 1, (B,))
+        lo = (pos - torch.randint(0, W, (B,))).clamp_min(0)
+        a = cache_mod.cca_decode_attention_torch(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5)
+        b = kern.cca_decode_attention_triton(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5, num_splits=3, block_n=8)
+        err = (a - b).abs().max().item()
+        assert err < 1e-4, (B, H, Hkv, P, W, pooling, err)
+    print("interpret ok")
+    """
+)
+
+
+def test_decode_triton_kernel_interpreted():
+    pytest.importorskip("triton")
+    if not (published.KERNELS_DIR / "cca_decode_triton.py").exists():
+        pytest.skip("decode kernel not built yet")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "interpret ok" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pooling", ["kv", "query"])
+def test_decode_triton_kernel_gpu_large(pooling):
+    kern = published.load("cca_decode_triton")
+    torch.manual_seed(0)
+    B, H, Hkv, d, P, W = 4, 32, 8, 128, 8192, 1039
+    C = Hkv if pooling == "kv" else H
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, H, d, device=dev, dtype=dt)
+    ck, cv = torch.randn(B, C, P + 64, d, device=dev, dtype=dt), torch.randn(B, C, P + 64, d, device=dev, dtype=dt)
+    wk, wv = torch.randn(B, Hkv, W, d, device=dev, dtype=dt), torch.randn(B, Hkv, W, d, device=dev, dtype=dt)
+    pos = torch.tensor([131071, 131000, 5000, 100], device=dev)
+    n_core = torch.div(pos + 1 - 1024, 16, rounding_mode="floor").clamp_min(0)
+    lo = n_core * 16
+    a = cache_mod.cca_decode_attention_torch(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5)
+    b = kern.cca_decode_attention_triton(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5)
+    torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_decode_parity_on_gpu_bf16():
+    model = make_model("kv", 16, 64, 8, 2, layers=2).cuda()
+    ids = torch.randint(3, VOCAB, (2, 300), device="cuda")
+    full = model(ids, use_cache=False).logits
+    dec, _ = cached_logits(model, ids, [150, 37] + [1] * 113)
+    torch.testing.assert_close(dec, full, atol=2e-3, rtol=0)
