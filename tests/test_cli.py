@@ -1,0 +1,205 @@
+"""`cca-convert` end to end on tiny random checkpoints: exported repo, clean-process loading, errors."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cca_convert import published
+from cca_convert.cli import main
+from tests.factories import LLAMA3_ROPE, save_base
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_recipe(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def base(tmp_path):
+    return save_base(tmp_path / "tiny-llama", rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    return write_recipe(tmp_path / "r.yaml", """\
+        cca: {group_size: 4, local_window: 16, pooling: kv}
+        export: {dtype: float32, max_shard_size: 40KB, roundtrip_tokens: 50}
+        """)
+
+
+def convert(base, recipe, out, *extra):
+    return main([str(base), "--recipe", str(recipe), "--output", str(out), *extra])
+
+
+def leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_export_is_a_complete_repo(base, recipe, tmp_path):
+    assert convert(base, recipe, tmp_path / "out") == 0
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_cca.CCAForCausalLM"
+    assert (config["group_size"], config["local_window"], config["pooling"]) == (4, 16, "kv")
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    for name in ("configuration_cca.py", "modeling_cca.py", "cca_reference.py", "generation_config.json",
+                 "cca_recipe.yaml", "README.md", "model.safetensors.index.json"):
+        assert (out / name).is_file(), name
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert "lm_head.weight" not in index["weight_map"]  # tied to the embeddings, as in the base
+    assert yaml.safe_load((out / "cca_recipe.yaml").read_text())["cca"]["group_size"] == 4
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert {"cca", "custom_code"} <= set(front["tags"])
+    assert front["library_name"] == "transformers" and front["pipeline_tag"] == "text-generation"
+    assert "| group size `g` | 4 |" in card
+    assert leftovers(tmp_path) == []
+
+
+LOADER = textwrap.dedent("""
+    import importlib.abc, sys, torch
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "cca_convert":
+                raise ImportError("blocked")
+    sys.meta_path.insert(0, Block())
+    from transformers import AutoModelForCausalLM
+    folder, out, overrides = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **overrides).eval()
+    ids = torch.arange(60).remainder(96)[None]
+    with torch.no_grad():
+        torch.save({"logits": model(ids, use_cache=False).logits, "g": model.config.group_size,
+                    "s": model.config.local_window, "module": type(model).__module__}, out)
+""")
+
+
+def load_in_clean_process(folder: Path, tmp_path: Path, **overrides) -> dict:
+    out = tmp_path / f"logits-{len(list(tmp_path.iterdir()))}.pt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    subprocess.run([sys.executable, "-c", LOADER, str(folder), str(out), repr(overrides)],
+                   check=True, cwd=tmp_path, env=env, capture_output=True)
+    return torch.load(out)
+
+
+def test_exported_folder_loads_without_cca_convert_and_honours_overrides(base, recipe, tmp_path):
+    out = tmp_path / "out"
+    assert convert(base, recipe, out) == 0
+    modeling, configuration = published.load("modeling_cca"), published.load("configuration_cca")
+    ids = torch.arange(60).remainder(96)[None]
+
+    def in_process(**overrides):
+        config = configuration.CCAConfig.from_pretrained(out, **overrides)
+        model = modeling.CCAForCausalLM.from_pretrained(out, config=config).eval()
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+
+    default = load_in_clean_process(out, tmp_path)
+    assert default["module"].startswith("transformers_modules.")
+    torch.testing.assert_close(default["logits"], in_process(), atol=1e-5, rtol=0)
+
+    overridden = load_in_clean_process(out, tmp_path, group_size=8, local_window=24)
+    assert (overridden["g"], overridden["s"]) == (8, 24)
+    torch.testing.assert_close(overridden["logits"], in_process(group_size=8, local_window=24), atol=1e-5, rtol=0)
+    # Up to the window the override changes nothing; after it, core tokens differ.
+    torch.testing.assert_close(overridden["logits"][:, :16], default["logits"][:, :16], atol=1e-5, rtol=0)
+    assert (overridden["logits"][:, 30:] - default["logits"][:, 30:]).abs().max() > 1e-4
+
+
+def test_qwen2_with_bias_converts_and_round_trips(tmp_path, recipe):
+    base = save_base(tmp_path / "tiny-qwen2", family="qwen2")
+    assert convert(base, recipe, tmp_path / "out") == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["attention_bias"] is True and config["attention_out_bias"] is False
+    assert config["base_model_type"] == "qwen2"
+
+
+def test_set_overrides_recipe_keys(base, recipe, tmp_path):
+    assert convert(base, recipe, tmp_path / "out", "--set", "cca.group_size=8", "--set", "cca.pooling=query") == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["group_size"], config["pooling"]) == (8, "query")
+
+
+def test_overwrite_replaces_and_failures_leave_nothing(base, recipe, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert convert(base, recipe, out) == 0
+    before = sorted(p.name for p in out.iterdir())
+
+    from cca_convert import pipeline
+    from cca_convert.errors import CCAError
+
+    def broken(*args, **kwargs):
+        raise CCAError("round trip: simulated mismatch")
+
+    monkeypatch.setattr(pipeline.roundtrip, "roundtrip_check", broken)
+    assert convert(base, recipe, out, "--overwrite", "--set", "cca.group_size=8") == 2
+    assert "simulated mismatch" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before  # the old export is untouched
+    assert json.loads((out / "config.json").read_text())["group_size"] == 4
+    assert leftovers(tmp_path) == []
+
+    monkeypatch.undo()
+    assert convert(base, recipe, out, "--overwrite", "--set", "cca.group_size=8") == 0
+    assert json.loads((out / "config.json").read_text())["group_size"] == 8
+
+
+BAD_RECIPES = {
+    "malformed-yaml": ("cca:\n  group_size: [4\n", "malformed YAML"),
+    "unknown-key": ("cca:\n  group_size: 4\n  gruop_size: 4\n", "r.yaml:3: cca.gruop_size: unknown key"),
+    "group-size-zero": ("cca:\n  group_size: 0\n", "r.yaml:2: cca.group_size"),
+    "wrong-type": ("cca:\n  local_window: lots\n", "cca.local_window"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECIPES)
+def test_bad_recipe_is_one_clear_error_and_writes_nothing(case, base, tmp_path, capsys):
+    text, expected = BAD_RECIPES[case]
+    recipe = write_recipe(tmp_path / "r.yaml", text)
+    assert convert(base, recipe, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and expected in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, recipe, capsys):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert convert(folder, recipe, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert "unsupported architecture model_type='gpt2'" in err and "llama" in err and "qwen2" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_refused(base, recipe, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert convert(base, recipe, out) == 2
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_missing_source_folder(tmp_path, recipe, capsys):
+    assert convert(tmp_path / "nope" / "model", recipe, tmp_path / "out") == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_without_source_exits_non_zero():
+    proc = subprocess.run([sys.executable, "-m", "cca_convert.cli"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: the following arguments are required: SOURCE (see `cca-convert --help`)"
+    ]
