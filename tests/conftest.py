@@ -1,7 +1,7 @@
-import os
-
 import pytest
 import torch
+
+from tests.hub_server import configure_hf_client, hub_server  # noqa: F401  (fixture for all tests)
 
 # Small CPU tests: one thread each is faster than oversubscribing CI's two cores.
 torch.set_num_threads(1)
@@ -17,11 +17,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_hf_home(tmp_path_factory, monkeypatch):
-    """No test reads or writes the user's Hugging Face cache or token."""
-    home = tmp_path_factory.getbasetemp() / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_MODULES_CACHE", str(home / "modules"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    os.makedirs(home, exist_ok=True)
+def _isolated_hf_client(tmp_path_factory, monkeypatch):
+    """No test reads the user's Hugging Face cache or token, or reaches a real Hub: the client points
+    at a closed local port unless a test starts the `hub_server` fixture (which re-points it)."""
+    configure_hf_client(monkeypatch, "http://127.0.0.1:9", tmp_path_factory.mktemp("hf_home"), token=None)
