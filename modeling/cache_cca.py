@@ -31,9 +31,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from .cca_reference import apply_rope, pool_core_tokens
 
 try:
-    from .cca_decode_triton import cca_decode_attention_triton
+    from .cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
 except ImportError:  # triton is optional
-    cca_decode_attention_triton = None
+    cca_decode_append_triton = cca_decode_attention_triton = None
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 
@@ -100,6 +100,7 @@ class CCALayerCache(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     supports_early_init = False
+    force_triton = False  # tests: run the Triton decode kernels on CPU tensors (TRITON_INTERPRET=1)
 
     def __init__(self, config):
         super().__init__()
@@ -212,6 +213,19 @@ class CCALayerCache(CacheLayerMixin):
         window = self.win_k.shape[2]
         t = self.seen  # position of the new token, per sequence
         real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
+        use_triton = cca_decode_attention_triton is not None and cfg.attn_backend != "reference"
+        if use_triton and (q.is_cuda or self.force_triton):
+            self._grow_core(self.max_seen // g + 1)
+            q_rot = cca_decode_append_triton(
+                q[:, :, 0], k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0], real, t, self.win_k, self.win_v,
+                self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale,
+            )
+            n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
+            out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
+            self.seen = t + real.long()
+            self.cols += 1
+            self.max_seen += 1
+            return out[:, :, None]
         q_rot, k_rot = apply_rope(q, cos, sin)[:, :, 0], apply_rope(k, cos, sin)[:, :, 0]
         rows = torch.arange(bsz, device=q.device)
 
@@ -226,10 +240,7 @@ class CCALayerCache(CacheLayerMixin):
         self.mid_sin = torch.where(is_mid, sin[:, 0], self.mid_sin)
 
         n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
-        attend = cca_decode_attention_torch
-        if q.is_cuda and cca_decode_attention_triton is not None and cfg.attn_backend != "reference":
-            attend = cca_decode_attention_triton
-        out = attend(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
+        out = cca_decode_attention_torch(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
         out = torch.where(real[:, None, None], out, torch.zeros_like(out))[:, :, None]
 
         # Pool the group ending at t (for every row; only rows whose group completed keep the result:

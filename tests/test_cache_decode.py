@@ -223,6 +223,30 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b = kern.cca_decode_attention_triton(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5, num_splits=3, block_n=8)
         err = (a - b).abs().max().item()
         assert err < 1e-4, (B, H, Hkv, P, W, pooling, err)
+
+    # The whole decode step (RoPE, ring writes, pooling kernel, attention kernel) inside a model,
+    # with a left-padded row, against unpadded full forwards.
+    import transformers
+    mc, cc = published.load("modeling_cca"), published.load("configuration_cca")
+    cache_mod.CCALayerCache.force_triton = True
+    for pooling, g, s, H, Hkv in [("kv", 2, 3, 4, 2), ("query", 3, 4, 4, 2)]:
+        torch.manual_seed(0)
+        llama = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=H, num_key_value_heads=Hkv, max_position_embeddings=64)
+        m = mc.CCAForCausalLM(cc.CCAConfig(**llama.to_dict(), group_size=g, local_window=s, pooling=pooling)).eval()
+        ids = torch.randint(3, 101, (2, 14))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        with torch.no_grad():
+            out = m(ids[:, :8], attention_mask=mask[:, :8])
+            cache, logits = out.past_key_values, [out.logits]
+            for i in range(8, 14):
+                out = m(ids[:, i : i + 1], past_key_values=cache, attention_mask=mask[:, : i + 1])
+                logits.append(out.logits)
+            logits = torch.cat(logits, 1)
+            err0 = (logits[:1] - m(ids[:1], use_cache=False).logits).abs().max().item()
+            err1 = (logits[1:, 3:] - m(ids[1:, 3:], use_cache=False).logits).abs().max().item()
+        assert max(err0, err1) < 2e-4, (pooling, g, s, err0, err1)
     print("interpret ok")
     """
 )
@@ -260,9 +284,14 @@ def test_decode_triton_kernel_gpu_large(pooling):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
-def test_decode_parity_on_gpu_bf16():
-    model = make_model("kv", 16, 64, 8, 2, layers=2).cuda()
+@pytest.mark.parametrize("pooling", ["kv", "query"])
+def test_decode_parity_on_gpu(pooling):
+    model = make_model(pooling, 16, 64, 8, 2, layers=2).cuda()
     ids = torch.randint(3, VOCAB, (2, 300), device="cuda")
-    full = model(ids, use_cache=False).logits
-    dec, _ = cached_logits(model, ids, [150, 37] + [1] * 113)
-    torch.testing.assert_close(dec, full, atol=2e-3, rtol=0)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    full0 = model(ids[:1], use_cache=False).logits
+    full1 = model(ids[1:, 7:], use_cache=False).logits
+    dec, _ = cached_logits(model, ids, [150, 37] + [1] * 113, mask)
+    torch.testing.assert_close(dec[:1], full0, atol=5e-3, rtol=0)
+    torch.testing.assert_close(dec[1:, 7:], full1, atol=5e-3, rtol=0)
