@@ -122,6 +122,26 @@ def bench_layer(model, backend, bsz, ctx, warmup, iters):
     return ms, peak
 
 
+def profile_steps(model, ctx, bsz):
+    for backend in ("full", "auto"):
+        model.config.attn_backend = backend
+        attn = model.model.layers[0].self_attn
+        cache = (fill_full if backend == "full" else fill_cca)(model.config, bsz, ctx, 1)
+        hidden = torch.randn(bsz, 1, model.config.hidden_size, device=DEV, dtype=BF16)
+        with torch.no_grad():
+            for i in range(5):
+                attn(hidden, model.model.rotary_emb(hidden, torch.full((bsz, 1), ctx + i, device=DEV)), None, cache)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(5, 10):
+                    attn(hidden, model.model.rotary_emb(hidden, torch.full((bsz, 1), ctx + i, device=DEV)), None, cache)
+                torch.cuda.synchronize()
+        print(f"--- {backend} ctx={ctx} batch={bsz} (5 steps)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+        del cache
+        torch.cuda.empty_cache()
+
+
 def max_batch(model, backend, ctx, ladder, layers):
     best = 0
     for bsz in ladder:
@@ -150,6 +170,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--full-ladder", default="4,6,7,8,16")
     ap.add_argument("--cca-ladder", default="16,32,64,96,128")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler of one attention-layer step per backend")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -162,6 +183,10 @@ def main():
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, built in {time.time() - t0:.0f}s; "
           f"g={cfg.group_size} s={cfg.local_window} pooling={cfg.pooling}; {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+
+    if args.profile:
+        profile_steps(model, int(args.contexts.split(",")[-1]), int(args.batches.split(",")[0]))
+        return
 
     rows = []
     contexts = [int(x) for x in args.contexts.split(",")]
