@@ -35,9 +35,23 @@ def tiny_base_model(family: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def tiny_tokenizer(vocab_size: int = 96):
+    """A character-level tokenizer whose ids fit the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'-\n")
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + chars[: vocab_size - 3])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def save_base(path: Path, family: str = "llama", **overrides) -> Path:
-    model = tiny_base_model(family, **overrides)
+    model = tiny_base_model(family, bos_token_id=1, eos_token_id=2, **overrides)
     model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
 
 
