@@ -1,0 +1,252 @@
+"""Benchmark: CCA attention (Triton) vs causal SDPA (cuDNN, flash) and the PyTorch CCA reference.
+
+Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, batch 1, g=16, s=1024.
+  python benchmarks/attention.py --out benchmarks/results            # 4K .. 128K, both pooling modes
+  python benchmarks/attention.py --lengths 4096,32768 --sweep        # tune Triton block configs first
+
+Conventions
+- Median of triton.testing.do_bench. "fwd" is one forward call; "fwd+bwd" is forward plus
+  torch.autograd.grad w.r.t. q, k, v.
+- CCA timings are the whole ``cca_attention_triton`` call: RoPE + pooling + fused attention. SDPA runs on
+  already-rotated q/k (RoPE not timed) with ``enable_gqa=True`` (no repeat_kv copy) and ``is_causal``.
+- Speed-up is against the fastest SDPA backend of the same run, same pass.
+- Useful TFLOP/s counts only the score entries each method must compute: CCA n(t) core tokens plus
+  the raw keys [n(t)*g, t] per query (causal attention: t+1 keys); 4*d flops per entry forward
+  (QK^T and PV), 14*d forward+backward (backward = 5 matmuls: QK^T recomputed, dV, dP, dQ, dK).
+- Peak memory: torch.cuda.max_memory_allocated during one call, minus what was allocated before it
+  (inputs excluded).
+"""
+
+import argparse
+import csv
+import importlib
+import math
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    try:
+        from cca_convert import published
+
+        return published.load(name)
+    except ImportError:  # a bare source tree (no editable install): same flat virtual package
+        pkg = "_cca_published_src"
+        if pkg not in sys.modules:
+            sys.modules[pkg] = types.ModuleType(pkg)
+            sys.modules[pkg].__path__ = [str(ROOT / "modeling"), str(ROOT / "kernels")]
+        return importlib.import_module(f"{pkg}.{name}")
+
+
+ref = load("cca_reference")
+tri = load("cca_triton")
+
+
+def score_entries(L, g, s, causal_full=False):
+    t = torch.arange(L, dtype=torch.float64)
+    if causal_full:
+        return float((t + 1).sum())
+    n = torch.clamp(torch.floor((t + 1 - s) / g), min=0)
+    return float((n + t - n * g + 1).sum())
+
+
+def rope_tables(L, d, device, dtype, base=500000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    freqs = torch.arange(L, dtype=torch.float32, device=device)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def measure(fn, warmup, rep):
+    """(median ms, peak extra GiB); NaN on OOM."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+        return ms, peak
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan"), float("nan")
+
+
+def make_methods(L, args, q, k, v, cos, sin, do):
+    g, s = args.group_size, args.local_window
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    methods = {}
+    for pooling in args.pooling:
+        methods[f"cca_triton[{pooling}]"] = (
+            lambda x, y, z, p=pooling: tri.cca_attention_triton(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")
+        if L <= args.ref_max:
+            methods[f"cca_reference[{pooling}]"] = (
+                lambda x, y, z, p=pooling: ref.cca_attention_reference(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(x, y, z, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(x, y, z, is_causal=True, enable_gqa=True)
+        methods[name] = (sdpa, (q_rot, k_rot, v), "causal")
+    return methods
+
+
+def run_pass(fn, inputs, do, backward):
+    if not backward:
+        return lambda: fn(*inputs)
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+
+
+def sweep(L, args, q, k, v, do, cos, sin):
+    """Kernel-only timings of each candidate block config (Hopper, hd128); keeps the fastest per kernel
+    (summed over pooling modes) in the module's config table for the rest of the run."""
+    g, s, scale = args.group_size, args.local_window, q.shape[-1] ** -0.5
+    candidates = {
+        "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+        "dq": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+        "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 64, 4, 3)],
+    }
+    table = tri._CONFIGS["hopper"]
+    total = {}
+    for pooling in args.pooling:
+        prep = lambda: ref.pool_core_tokens(*(tri._RopeFn.apply(x, cos, sin) for x in (q, k)), k, v, cos, sin, g, pooling)
+        ms = triton.testing.do_bench(prep, warmup=10, rep=50, return_mode="median")
+        print(f"sweep L={L} {pooling:5s} rope+pool forward: {ms:8.3f} ms", flush=True)
+        q_rot, k_rot = tri._RopeFn.apply(q, cos, sin), tri._RopeFn.apply(k, cos, sin)
+        kc, vc = ref.pool_core_tokens(q_rot, k_rot, k, v, cos, sin, g, pooling, scale)
+        dims = tri._Dims(q_rot, k_rot, kc, g, s, scale)
+        o, lse = tri._forward(q_rot, k_rot, v, kc, vc, dims)
+        for kind, configs in candidates.items():
+            default = table[kind][128]
+            for cfg in configs:
+                table[kind][128] = cfg
+                if kind == "fwd":
+                    fn = lambda: tri._forward(q_rot, k_rot, v, kc, vc, dims)
+                else:  # the whole backward, with this kernel's config varied
+                    fn = lambda: tri._backward(do, q_rot, k_rot, v, kc, vc, o, lse, dims)
+                try:
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                except Exception as e:  # e.g. out of shared memory
+                    ms = float("inf")
+                    print(f"  {kind} {cfg}: {type(e).__name__}")
+                total[kind, cfg] = total.get((kind, cfg), 0.0) + ms
+                print(f"sweep L={L} {pooling:5s} {kind:4s} BM,BN,warps,stages={cfg}: {ms:8.3f} ms", flush=True)
+            table[kind][128] = default
+    for kind, configs in candidates.items():
+        table[kind][128] = min(configs, key=lambda c: total[kind, c])
+        print(f"sweep: using {kind} config {table[kind][128]}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="folder for attention.csv and attention.png")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--pooling", default="kv,query")
+    ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--local-window", type=int, default=1024)
+    ap.add_argument("--ref-max", type=int, default=8192, help="longest length the O(L^2) reference runs at")
+    ap.add_argument("--warmup", type=float, default=25)
+    ap.add_argument("--rep", type=float, default=100)
+    ap.add_argument("--sweep", action="store_true", help="first time Triton block-config candidates, keep the best")
+    ap.add_argument("--sweep-length", type=int, default=32768)
+    ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max")
+    args = ap.parse_args()
+    args.pooling = args.pooling.split(",")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    passes = args.passes.split(",")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    H, Hkv, d = args.heads, args.kv_heads, args.head_dim
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"H={H} Hkv={Hkv} d={d} g={args.group_size} s={args.local_window} bf16 batch 1", flush=True)
+
+    def inputs(L):
+        gen = torch.Generator(device=dev).manual_seed(L)
+        shapes = ((1, H, L, d), (1, Hkv, L, d), (1, Hkv, L, d), (1, H, L, d))
+        return (*(torch.randn(s, device=dev, dtype=dtype, generator=gen) for s in shapes), *rope_tables(L, d, dev, dtype))
+
+    if args.sweep:  # tune once, then time every length with the chosen configs
+        sweep(args.sweep_length, args, *inputs(args.sweep_length))
+    rows = []
+    for L in lengths:
+        q, k, v, do, cos, sin = inputs(L)
+        methods = make_methods(L, args, q, k, v, cos, sin, do)
+        if args.check and L <= args.ref_max:
+            for p in args.pooling:
+                a = tri.cca_attention_triton(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
+                b = ref.cca_attention_reference(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
+                print(f"check L={L} {p}: rel err {((a - b).norm() / b.norm()).item():.2e}", flush=True)
+        entries = {"cca": score_entries(L, args.group_size, args.local_window),
+                   "causal": score_entries(L, 0, 0, causal_full=True)}
+        for pname in passes:
+            backward = pname == "fwd+bwd"
+            flops_per_entry = (14 if backward else 4) * d
+            res = {}
+            for name, (fn, xs, kind) in methods.items():
+                ms, peak = measure(run_pass(fn, xs, do, backward), args.warmup, args.rep)
+                res[name] = (ms, peak, entries[kind] * H * flops_per_entry / (ms * 1e-3) / 1e12)
+                print(f"  L={L:6d} {pname:7s} {name:20s} {ms:9.3f} ms  peak {peak:7.2f} GiB", flush=True)
+            best_sdpa = min(res[n][0] for n in res if n.startswith("sdpa") and not math.isnan(res[n][0]))
+            for name, (ms, peak, tflops) in res.items():
+                rows.append(dict(L=L, pass_=pname, method=name, ms=ms, speedup=best_sdpa / ms, tflops=tflops, peak_gib=peak))
+        del q, k, v, do, methods
+        torch.cuda.empty_cache()
+
+    header = f"{'L':>7} {'pass':7} {'method':20} {'ms':>9} {'x best SDPA':>11} {'TFLOP/s':>8} {'peak GiB':>9}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(f"{r['L']:>7} {r['pass_']:7} {r['method']:20} {r['ms']:9.3f} {r['speedup']:11.2f} {r['tflops']:8.1f} {r['peak_gib']:9.2f}")
+
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "attention.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["L", "pass", "method", "ms", "speedup_vs_best_sdpa", "useful_tflops", "peak_gib"])
+            for r in rows:
+                w.writerow([r["L"], r["pass_"], r["method"], f"{r['ms']:.4f}", f"{r['speedup']:.3f}",
+                            f"{r['tflops']:.1f}", f"{r['peak_gib']:.3f}"])
+        plot(rows, passes, args.out / "attention.png")
+        print(f"wrote {args.out / 'attention.csv'} and {args.out / 'attention.png'}")
+
+
+def plot(rows, passes, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(passes), figsize=(6.5 * len(passes), 4.8), squeeze=False)
+    for ax, pname in zip(axes[0], passes):
+        sel = [r for r in rows if r["pass_"] == pname]
+        for method in dict.fromkeys(r["method"] for r in sel):
+            pts = [(r["L"], r["ms"]) for r in sel if r["method"] == method and not math.isnan(r["ms"])]
+            ax.plot(*zip(*pts), marker="o", label=method, linestyle="--" if "sdpa" in method else "-")
+        for r in sel:
+            if r["method"] == "cca_triton[kv]":
+                ax.annotate(f"{r['speedup']:.1f}x", (r["L"], r["ms"]), textcoords="offset points", xytext=(0, -12),
+                            ha="center", fontsize=8)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (median)",
+               title=f"{pname}: 32q/8kv heads, d=128, bf16, g=16, s=1024")
+        ax.set_xticks([r["L"] for r in sel if r["method"] == sel[0]["method"]])
+        ax.set_xticklabels([f"{r['L'] // 1024}K" for r in sel if r["method"] == sel[0]["method"]])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Triton CCA attention vs the PyTorch reference: forward and gradients through RoPE and pooling.
+
+CPU: runs only under ``TRITON_INTERPRET=1`` (set before triton is imported, as CI does), on small
+shapes. GPU: the same checks at long lengths, every head dim and bf16 (``-m gpu``).
+bf16 tolerance, FlashAttention style: max|tri - ref_fp32| <= 2 * max|ref_bf16 - ref_fp32| + atol,
+where ref_bf16 is the reference run on the same inputs cast to bf16.
+"""
+
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton when the kernels are decorated
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+if not (HAS_CUDA or INTERPRET):
+    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _load(name):
+    try:
+        from cca_convert import published
+
+        return published.load(name)
+    except ImportError:  # a bare source tree (no editable install): same flat virtual package
+        pkg = "_cca_published_src"
+        if pkg not in sys.modules:
+            root = Path(__file__).resolve().parents[1]
+            sys.modules[pkg] = types.ModuleType(pkg)
+            sys.modules[pkg].__path__ = [str(root / "modeling"), str(root / "kernels")]
+        return importlib.import_module(f"{pkg}.{name}")
+
+
+ref = _load("cca_reference")
+tri = _load("cca_triton")
+
+
+def rope_tables(L, d, batch=None, device=DEVICE):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if batch is None:
+        pos = torch.arange(L, dtype=torch.float32)
+    else:  # per-sequence positions (e.g. left padding shifts them)
+        pos = torch.arange(L, dtype=torch.float32)[None] + torch.arange(batch, dtype=torch.float32)[:, None] * 3
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def make_inputs(B, H, Hkv, L, d, seed, per_seq_rope=False, transposed=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, d, generator=gen)
+    k = torch.randn(B, Hkv, L, d, generator=gen)
+    v = torch.randn(B, Hkv, L, d, generator=gen)
+    do = torch.randn(B, H, L, d, generator=gen)
+    if transposed:  # (B, L, heads, d) storage viewed as (B, heads, L, d), as models produce it
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    cos, sin = rope_tables(L, d, B if per_seq_rope else None, device="cpu")
+    return [x.to(DEVICE) for x in (q, k, v, do, cos, sin)]
+
+
+def run(fn, q, k, v, do, cos, sin, g, s, pooling, dtype):
+    leaves = [x.to(dtype).detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, cos.to(dtype), sin.to(dtype), g, s, pooling)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype)) if out.numel() else [torch.zeros_like(x) for x in leaves]
+    return [out.float(), *(x.float() for x in grads)]
+
+
+def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, **kw):
+    q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed, **kw)
+    got = run(tri.cca_attention_triton, q, k, v, do, cos, sin, g, s, pooling, dtype)
+    want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
+    names = ("out", "dq", "dk", "dv")
+    if dtype == torch.float32:
+        for name, a, b in zip(names, got, want):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"{n}: {m}")
+        return
+    low = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, dtype)
+    for name, a, b, c in zip(names, got, want, low):
+        assert torch.isfinite(a).all(), name
+        err, ref_err = (a - b).abs().max().item(), (c - b).abs().max().item()
+        assert err <= 2 * ref_err + 2e-3, f"{name}: triton err {err:.3e} vs reference-in-{dtype} err {ref_err:.3e}"
+
+
+def seq_lengths(g, s, extra=()):
+    return sorted({1, g - 1, g, s, s + 1, s + g - 1, 3 * s + 5, *extra} - {0})
+
+
+HEADS = [pytest.param(4, 1, id="gqa4"), pytest.param(2, 2, id="mha")]
+POOLING = ["kv", "query"]
+
+
+# ---------------------------------------------------------------- small shapes (CPU interpreter and GPU)
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("L", seq_lengths(4, 6))
+def test_small_lengths(L, H, Hkv, pooling):
+    """g=4 does not divide s=6; every length around a group / window boundary."""
+    check(2, H, Hkv, L, 64 if L % 2 else 80, 4, 6, pooling, torch.float32, seed=L)
+
+
+@pytest.mark.parametrize(
+    "B,H,Hkv,L,d,g,s,pooling",
+    [
+        pytest.param(1, 4, 1, 70, 64, 2, 5, "kv", id="many-core-tokens"),  # mask-free core tiles
+        pytest.param(1, 4, 2, 70, 80, 3, 37, "query", id="long-window"),  # mask-free raw tiles
+        pytest.param(2, 6, 2, 45, 64, 3, 7, "kv", id="r3-kv"),  # head stack not a power of two
+        pytest.param(1, 6, 2, 45, 64, 3, 7, "query", id="r3-query"),
+        pytest.param(1, 2, 1, 20, 64, 1, 1, "kv", id="g1-s1"),
+        pytest.param(2, 4, 2, 33, 64, 5, 3, "kv", id="g-gt-s"),
+        pytest.param(1, 4, 1, 17, 64, 8, 20, "kv", id="L-lt-s"),  # CCA == causal attention here
+    ],
+)
+def test_small_configs(B, H, Hkv, L, d, g, s, pooling):
+    check(B, H, Hkv, L, d, g, s, pooling, torch.float32, seed=L + g)
+
+
+def test_per_sequence_rope_and_strided_inputs():
+    check(2, 4, 2, 30, 64, 3, 5, "kv", torch.float32, seed=1, per_seq_rope=True, transposed=True)
+
+
+@pytest.mark.parametrize("pooling", POOLING)
+def test_fp16(pooling):
+    check(2, 4, 1, 40, 64, 3, 5, pooling, torch.float16, seed=2)
+
+
+def test_causal_when_window_covers_everything():
+    q, k, v, _, cos, sin = make_inputs(1, 4, 2, 24, 64, seed=3)
+    out = tri.cca_attention_triton(q, k, v, cos, sin, 4, 24)
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q_rot, k_rot.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
+    torch.testing.assert_close(out, full, atol=2e-5, rtol=2e-5)
+
+
+def test_no_grad_and_bad_args():
+    q, k, v, _, cos, sin = make_inputs(1, 2, 1, 9, 64, seed=4)
+    with torch.no_grad():
+        out = tri.cca_attention_triton(q, k, v, cos, sin, 2, 3)
+    torch.testing.assert_close(out, ref.cca_attention_reference(q, k, v, cos, sin, 2, 3), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError):
+        tri.cca_attention_triton(q, k, v, cos, sin, 2, 3, pooling="mean")
+    with pytest.raises(ValueError):
+        tri.cca_attention_triton(q, k, v, cos, sin, 0, 3)
+
+
+# ---------------------------------------------------------------- GPU: long sequences, all head dims, bf16
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("H,Hkv", [pytest.param(8, 2, id="gqa4"), pytest.param(4, 4, id="mha")])
+@pytest.mark.parametrize("L", seq_lengths(16, 100, extra=(1000, 4097)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_lengths(dtype, L, H, Hkv, pooling):
+    check(2, H, Hkv, L, 128, 16, 100, pooling, dtype, seed=L)
+
+
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize(
+    "dtype,d",
+    [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.bfloat16, 96), (torch.float16, 128), (torch.float32, 80)],
+    ids=["bf16-64", "bf16-80", "bf16-96", "fp16-128", "fp32-80"],
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_head_dims(dtype, d, pooling):
+    check(2, 8, 2, 1000, d, 16, 100, pooling, dtype, seed=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_qwen_like_heads():
+    """r = 7 (Qwen2.5-7B: 28 query heads, 4 KV heads), s not a multiple of g."""
+    check(1, 14, 2, 3000, 128, 16, 500, "kv", torch.bfloat16, seed=7)
+    check(1, 14, 2, 3000, 128, 16, 500, "query", torch.bfloat16, seed=8)
