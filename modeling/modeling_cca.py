@@ -35,6 +35,10 @@ def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float) -> torch.T
         if config.attn_backend == "triton":
             raise ImportError("attn_backend='triton' needs the `triton` package (pip install triton)")
         use_triton = False
+    if use_triton and q.shape[2] <= config.local_window:
+        # No query is past the window: CCA is exactly causal attention (spec), and SDPA is faster.
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return full_causal_attention(q, k, v, None, scale)
     attend = cca_attention_triton if use_triton else cca_attention_reference
     return attend(q, k, v, cos, sin, config.group_size, config.local_window, config.pooling, scale)
 
