@@ -4,13 +4,13 @@ PY := $(VENV)/bin/python
 # The CPU build of PyTorch; on a GPU machine point this at your CUDA build (e.g. TORCH=torch).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test test-oldest clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" $(EXTRA_PINS)
 	touch $@
 
 demo: $(VENV)/.installed
@@ -19,5 +19,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
+# The same suite against the oldest versions pyproject.toml admits (those of the GPU image).
+OLDEST := transformers==5.17.0 huggingface_hub==1.33.0 triton==3.6.0 peft==0.21.0 safetensors==0.8.0
+test-oldest:
+	$(MAKE) test VENV=.venv-oldest TORCH="$(TORCH)" EXTRA_PINS="$(OLDEST)"
+
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) .venv-oldest out
