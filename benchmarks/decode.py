@@ -82,14 +82,20 @@ def timed(step, warmup, iters):
     return start.elapsed_time(end) / iters
 
 
+def use_backend(model, backend):
+    """``full``: SDPA as PyTorch dispatches it (cuDNN attention on H100/H200 with torch 2.11, which plans a new
+    cuDNN graph whenever the key length changes, i.e. every decoding step); ``full-nocudnn``: same, cuDNN SDPA off."""
+    model.config.attn_backend = "full" if backend.startswith("full") else backend
+    torch.backends.cuda.enable_cudnn_sdp(backend != "full-nocudnn")
+
+
 def bench_model(model, backend, bsz, ctx, layers, warmup, iters):
-    model.config.attn_backend = backend
+    use_backend(model, backend)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    cache = (fill_full if backend == "full" else fill_cca)(model.config, bsz, ctx, layers)
-    cache_gib = (
-        sum(layer.keys.numel() * 2 * 2 for layer in cache.layers) if backend == "full" else cache.nbytes()
-    ) / 2**30
+    full = backend.startswith("full")
+    cache = (fill_full if full else fill_cca)(model.config, bsz, ctx, layers)
+    cache_gib = (sum(layer.keys.numel() * 2 * 2 for layer in cache.layers) if full else cache.nbytes()) / 2**30
     ids = torch.randint(0, model.config.vocab_size, (bsz, 1), device=DEV)
 
     def step(i):
@@ -104,11 +110,11 @@ def bench_model(model, backend, bsz, ctx, layers, warmup, iters):
 
 
 def bench_layer(model, backend, bsz, ctx, warmup, iters):
-    model.config.attn_backend = backend
+    use_backend(model, backend)
     attn = model.model.layers[0].self_attn
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    cache = (fill_full if backend == "full" else fill_cca)(model.config, bsz, ctx, 1)
+    cache = (fill_full if backend.startswith("full") else fill_cca)(model.config, bsz, ctx, 1)
     hidden = torch.randn(bsz, 1, model.config.hidden_size, device=DEV, dtype=BF16)
 
     def step(i):
@@ -123,10 +129,10 @@ def bench_layer(model, backend, bsz, ctx, warmup, iters):
 
 
 def profile_steps(model, ctx, bsz):
-    for backend in ("full", "auto"):
-        model.config.attn_backend = backend
+    for backend in ("full", "full-nocudnn", "auto"):
+        use_backend(model, backend)
         attn = model.model.layers[0].self_attn
-        cache = (fill_full if backend == "full" else fill_cca)(model.config, bsz, ctx, 1)
+        cache = (fill_full if backend.startswith("full") else fill_cca)(model.config, bsz, ctx, 1)
         hidden = torch.randn(bsz, 1, model.config.hidden_size, device=DEV, dtype=BF16)
         with torch.no_grad():
             for i in range(5):
@@ -195,7 +201,7 @@ def main():
         for bsz in batches:
             res = {}
             try:
-                for backend in ("full", "auto"):
+                for backend in ("full", "full-nocudnn", "auto"):
                     lay_ms, lay_peak = bench_layer(model, backend, bsz, ctx, args.warmup, 3 * args.iters)
                     ms, peak, cache_gib = bench_model(model, backend, bsz, ctx, args.layers, args.warmup, args.iters)
                     res[backend] = (lay_ms, lay_peak, ms, peak, cache_gib)
@@ -203,28 +209,32 @@ def main():
                 traceback.print_exc()
                 torch.cuda.empty_cache()
                 continue
-            f, c = res["full"], res["auto"]
+            f, n, c = res["full"], res["full-nocudnn"], res["auto"]
             row = dict(
                 context=ctx, batch=bsz,
-                layer_full_ms=f[0], layer_cca_ms=c[0], layer_speedup=f[0] / c[0],
-                model_full_ms=f[2], model_cca_ms=c[2], model_speedup=f[2] / c[2],
-                cache_full_gib=f[4], cache_cca_gib=c[4], peak_full_gib=f[3], peak_cca_gib=c[3],
+                layer_full_ms=f[0], layer_full_nocudnn_ms=n[0], layer_cca_ms=c[0],
+                layer_speedup=f[0] / c[0], layer_speedup_nocudnn=n[0] / c[0],
+                model_full_ms=f[2], model_full_nocudnn_ms=n[2], model_cca_ms=c[2],
+                model_speedup=f[2] / c[2], model_speedup_nocudnn=n[2] / c[2],
+                cache_full_gib=f[4], cache_cca_gib=c[4], peak_full_gib=max(f[3], n[3]), peak_cca_gib=c[3],
             )
             rows.append(row)
             print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     ctx_max = max(contexts)
-    mb_full = max_batch(model, "full", ctx_max, [int(x) for x in args.full_ladder.split(",")], args.layers)
+    mb_full = max_batch(model, "full-nocudnn", ctx_max, [int(x) for x in args.full_ladder.split(",")], args.layers)
     mb_cca = max_batch(model, "auto", ctx_max, [int(x) for x in args.cca_ladder.split(",")], args.layers)
 
-    header = (f"{'context':>8} {'batch':>5} | {'attn layer full':>15} {'attn layer CCA':>14} {'x':>6} | "
-              f"{'model full':>10} {'model CCA':>9} {'x':>6} | {'cache full':>10} {'cache CCA':>9} | {'peak full':>9} {'peak CCA':>8}")
+    header = (f"{'context':>7} {'B':>2} | {'layer full/noCuDNN/CCA (ms)':>28} {'x':>13} | "
+              f"{'model full/noCuDNN/CCA (ms)':>27} {'x':>11} | {'cache full/CCA GiB':>18} | {'peak full/CCA GiB':>17}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['context']:>8} {r['batch']:>5} | {r['layer_full_ms']:>12.3f} ms {r['layer_cca_ms']:>11.3f} ms {r['layer_speedup']:>5.1f}x | "
-            f"{r['model_full_ms']:>7.2f} ms {r['model_cca_ms']:>6.2f} ms {r['model_speedup']:>5.1f}x | "
-            f"{r['cache_full_gib']:>6.2f} GiB {r['cache_cca_gib']:>5.2f} GiB | {r['peak_full_gib']:>5.1f} GiB {r['peak_cca_gib']:>4.1f} GiB"
+            f"{r['context']:>7} {r['batch']:>2} | {r['layer_full_ms']:>8.3f} {r['layer_full_nocudnn_ms']:>8.3f} {r['layer_cca_ms']:>8.3f}   "
+            f"{r['layer_speedup']:>5.1f}x/{r['layer_speedup_nocudnn']:>5.1f}x | "
+            f"{r['model_full_ms']:>8.2f} {r['model_full_nocudnn_ms']:>8.2f} {r['model_cca_ms']:>7.2f}   "
+            f"{r['model_speedup']:>4.1f}x/{r['model_speedup_nocudnn']:>4.1f}x | "
+            f"{r['cache_full_gib']:>8.2f} {r['cache_cca_gib']:>8.2f} | {r['peak_full_gib']:>8.1f} {r['peak_cca_gib']:>7.1f}"
         )
     lines.append(f"largest batch that fits at context {ctx_max} (ladders full {args.full_ladder}, CCA {args.cca_ladder}): "
                  f"full {mb_full}, CCA {mb_cca}")

@@ -214,6 +214,7 @@ class CCALayerCache(CacheLayerMixin):
         t = self.seen  # position of the new token, per sequence
         real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
         use_triton = cca_decode_attention_triton is not None and cfg.attn_backend != "reference"
+        use_triton = use_triton and head_dim >= 16 and head_dim & (head_dim - 1) == 0  # kernel: d a power of 2 >= 16
         if use_triton and (q.is_cuda or self.force_triton):
             self._grow_core(self.max_seen // g + 1)
             q_rot = cca_decode_append_triton(

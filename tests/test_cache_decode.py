@@ -19,10 +19,10 @@ ATOL = 2e-4
 VOCAB = 101
 
 
-def make_model(pooling="kv", g=4, s=6, heads=4, kv_heads=2, layers=2, seed=0, **extra):
+def make_model(pooling="kv", g=4, s=6, heads=4, kv_heads=2, layers=2, seed=0, hidden=32, **extra):
     torch.manual_seed(seed)
     llama = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
@@ -231,7 +231,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     cache_mod.CCALayerCache.force_triton = True
     for pooling, g, s, H, Hkv in [("kv", 2, 3, 4, 2), ("query", 3, 4, 4, 2)]:
         torch.manual_seed(0)
-        llama = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        llama = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=H, num_key_value_heads=Hkv, max_position_embeddings=64)
         m = mc.CCAForCausalLM(cc.CCAConfig(**llama.to_dict(), group_size=g, local_window=s, pooling=pooling)).eval()
         ids = torch.randint(3, 101, (2, 14))
@@ -247,6 +247,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
             err0 = (logits[:1] - m(ids[:1], use_cache=False).logits).abs().max().item()
             err1 = (logits[1:, 3:] - m(ids[1:, 3:], use_cache=False).logits).abs().max().item()
         assert max(err0, err1) < 2e-4, (pooling, g, s, err0, err1)
+        assert cache.layers[0].core_k.shape[2] > 0
     print("interpret ok")
     """
 )
@@ -286,7 +287,7 @@ def test_decode_triton_kernel_gpu_large(pooling):
 @torch.no_grad()
 @pytest.mark.parametrize("pooling", ["kv", "query"])
 def test_decode_parity_on_gpu(pooling):
-    model = make_model(pooling, 16, 64, 8, 2, layers=2).cuda()
+    model = make_model(pooling, 16, 64, 8, 2, layers=2, hidden=256).cuda()  # head_dim 32: the Triton decode path
     ids = torch.randint(3, VOCAB, (2, 300), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
