@@ -1,0 +1,506 @@
+"""The finetune stage: LoRA on q/k/v (merged before export), q/k/v only, or full; resumable.
+
+One code path for every setup: an ``accelerate.Accelerator`` drives the loop, so a plain run uses one
+process (CPU or one GPU) and the same command under ``accelerate launch`` trains on several GPUs
+(DDP, or FSDP for full/qkv: see ``cca_convert/finetune/accelerate_*.yaml``).
+
+Checkpoints live in ``job.work_dir / "finetune"``: the trainable weights, the optimizer and LR
+schedule, every rank's RNG state and the step; the data order is a function of the seed and the
+step (see ``data.py``), so ``--resume`` replays exactly what an uninterrupted run would have done.
+SIGINT/SIGTERM finish the current optimizer step, write a checkpoint and stop with a CCAError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import CCAError
+from .config import FinetuneSection
+from .data import build_sequences, describe
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+class FinetuneInterrupted(CCAError):
+    """Training stopped on SIGINT/SIGTERM after writing a checkpoint."""
+
+    exit_code = 130
+
+
+# --------------------------------------------------------------------------------------------------
+# checks that run before anything is trained
+
+
+def check_seq_len(job) -> None:
+    ft, config = job.recipe.finetune, job.config
+    limit = config.max_position_embeddings
+    if ft.seq_len > limit:
+        raise CCAError(
+            f"finetune.seq_len={ft.seq_len} exceeds the model's max_position_embeddings={limit} (RoPE was trained "
+            f"that far): lower finetune.seq_len, or extend the context with --set "
+            f"cca.max_position_embeddings={ft.seq_len} (usually with a larger cca.rope_theta, e.g. 500000 as in "
+            "the paper)")
+
+
+def load_tokenizer(job):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(job.base_dir)
+    except (OSError, ValueError) as exc:
+        raise CCAError(f"finetune needs the base model's tokenizer, which {job.base_dir} lacks: "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    tok.model_max_length = int(1e30)  # documents are cut into seq_len blocks later; no length warnings
+    eos = tok.eos_token_id
+    if eos is None:
+        eos = job.config.eos_token_id
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if eos is None:
+        raise CCAError(f"{job.base_dir}: the tokenizer has no EOS token to separate packed documents")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    return tok, eos, pad
+
+
+# --------------------------------------------------------------------------------------------------
+# model preparation
+
+
+def lr_factor(ft: FinetuneSection, step: int) -> float:
+    """LR multiplier for the optimizer step that follows ``step`` completed ones."""
+    if step < ft.warmup_steps:
+        return (step + 1) / ft.warmup_steps
+    if ft.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - ft.warmup_steps) / max(1, ft.steps - ft.warmup_steps))
+    if ft.lr_schedule == "linear":
+        return 1.0 - (1.0 - ft.min_lr_ratio) * progress
+    return ft.min_lr_ratio + (1.0 - ft.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lora_config(ft: FinetuneSection):
+    from peft import LoraConfig
+
+    return LoraConfig(r=ft.lora.r, lora_alpha=ft.lora.alpha, lora_dropout=ft.lora.dropout,
+                      target_modules=list(ft.lora.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def prepare_trainable(model, ft: FinetuneSection, upcast: bool):
+    """Freeze / wrap ``model`` for the method; returns the model to train (a PeftModel for LoRA)."""
+    if ft.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ft.method == "lora":
+        from peft import get_peft_model
+
+        try:
+            model = get_peft_model(model, lora_config(ft))
+        except ValueError as exc:
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise CCAError(f"finetune.lora.target_modules={ft.lora.target_modules}: {str(exc).splitlines()[0]} "
+                           f"(linear layers of this model: {', '.join(names)})") from None
+    else:
+        for name, p in model.named_parameters():
+            p.requires_grad_(ft.method == "full" or any(f".{m}." in f".{name}" for m in QKV))
+    if upcast:  # fp32 master copy of what is trained; compute runs under bf16 autocast
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    model.train()
+    return model
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _fingerprint(job) -> dict:
+    return {"finetune": job.recipe.finetune.trajectory_dict(), "cca": job.recipe.cca.model_dump(mode="json")}
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpoints:
+    """``<work_dir>/finetune/checkpoint``: the last checkpoint, replaced atomically."""
+
+    def __init__(self, root: Path, accelerator):
+        self.root, self.acc = root, accelerator
+        self.path, self.tmp, self.old = root / "checkpoint", root / "checkpoint.tmp", root / "checkpoint.old"
+        self.fsdp = accelerator.distributed_type.value == "FSDP"
+
+    def latest(self) -> Path | None:
+        for p in (self.path, self.old):  # .old survives a crash between the two renames of save()
+            if (p / "state.json").is_file():
+                return p
+        return None
+
+    def read_state(self, path: Path) -> dict:
+        return json.loads((path / "state.json").read_text())
+
+    def save(self, step: int, model, optimizer, scheduler, meta: dict) -> None:
+        acc = self.acc
+        if acc.is_main_process:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        if self.fsdp:  # sharded weights + optimizer through accelerate (RNG states included)
+            acc.save_state(str(self.tmp / "accelerate"))
+        else:
+            torch.save(_rng_state(), self.tmp / f"rng-{acc.process_index}.pt")
+            if acc.is_main_process:
+                torch.save(trainable_state(acc.unwrap_model(model)), self.tmp / "trainable.pt")
+                torch.save(optimizer.state_dict(), self.tmp / "optimizer.pt")
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            torch.save(scheduler.state_dict(), self.tmp / "scheduler.pt")
+            (self.tmp / "state.json").write_text(json.dumps({"step": step, **meta}, indent=1))  # written last
+            shutil.rmtree(self.old, ignore_errors=True)
+            if self.path.exists():
+                self.path.rename(self.old)
+            self.tmp.rename(self.path)
+            shutil.rmtree(self.old, ignore_errors=True)
+        acc.wait_for_everyone()
+
+    def load(self, path: Path, model, optimizer, scheduler) -> None:
+        acc = self.acc
+        if self.fsdp:
+            acc.load_state(str(path / "accelerate"))
+        else:
+            state = torch.load(path / "trainable.pt", map_location="cpu")
+            params = dict(acc.unwrap_model(model).named_parameters())
+            missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+            if missing or set(state) - set(params):
+                raise CCAError(f"checkpoint {path} does not match this model/method "
+                               f"(e.g. {(missing or sorted(set(state) - set(params)))[0]}); delete it to start over")
+            with torch.no_grad():
+                for n, t in state.items():
+                    params[n].copy_(t)
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+            _set_rng_state(torch.load(path / f"rng-{acc.process_index}.pt", weights_only=False))
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# signals
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM set a flag (the loop checkpoints and stops); a second one aborts at once."""
+
+    def __init__(self, say):
+        self.signum, self.say, self.old = None, say, {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.say(f"{signal.Signals(signum).name}: stopping after this optimizer step and writing a checkpoint "
+                 "(send it again to abort without one)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics
+
+
+class Metrics:
+    def __init__(self, root: Path, enabled: bool, tensorboard: bool, keep_until: int):
+        self.path, self.enabled, self.tb = root / "metrics.jsonl", enabled, None
+        if not enabled:
+            return
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
+        self.path.write_text("".join(ln + "\n" for ln in kept))  # drop steps the checkpoint does not have
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(root / "tensorboard"), purge_step=keep_until + 1)
+            except ImportError:
+                pass
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                if record.get(k) is not None:
+                    self.tb.add_scalar(f"finetune/{k}", record[k], record["step"])
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def _mixed_precision(ft: FinetuneSection, device: str) -> str:
+    if ft.bf16 == "auto":
+        on = device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    else:
+        on = ft.bf16
+    return "bf16" if on else "no"
+
+
+def stage_finetune(job, on_step=None) -> None:
+    """Train ``job.model`` in place per ``job.recipe.finetune``; ``on_step(step, record)`` is a test hook."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from tqdm.auto import tqdm
+
+    ft = job.recipe.finetune
+    check_seq_len(job)
+    tokenizer, eos_id, pad_id = load_tokenizer(job)
+
+    acc = Accelerator(cpu=str(job.device) == "cpu", mixed_precision=_mixed_precision(ft, str(job.device)))
+    main, world, rank = acc.is_main_process, acc.num_processes, acc.process_index
+    log = job.log if main else (lambda msg: None)
+    try:
+        root = job.work_dir / "finetune"
+        ckpts = Checkpoints(root, acc)
+        resume_from = ckpts.latest()
+        if resume_from is not None and not job.resume:
+            step = ckpts.read_state(resume_from).get("step")
+            raise CCAError(f"an interrupted finetune left a checkpoint (step {step}) in {root}: re-run with --resume "
+                           f"to continue it, or delete that folder to start over")
+        if job.resume and resume_from is None:
+            log(f"  --resume: no finetune checkpoint in {root}; starting from step 0")
+        if resume_from is not None:
+            saved = ckpts.read_state(resume_from)
+            _check_resumable(saved, job, world)
+
+        # Data first: every data problem is reported before any weight is touched.
+        data = build_sequences(ft, tokenizer, eos_id, pad_id, rank, world, log)
+        vocab = job.config.vocab_size
+        if getattr(data, "seqs", None) is not None and len(data.seqs) and max(int(s.max()) for s in data.seqs) >= vocab:
+            raise CCAError(f"the tokenizer of {job.base_dir} yields ids >= the model's vocab_size={vocab}")
+
+        from accelerate.utils import set_seed
+
+        set_seed(ft.seed)
+        fsdp = acc.distributed_type.value == "FSDP"
+        upcast = acc.mixed_precision == "bf16"
+        model = job.model
+        use_cache = model.config.use_cache
+        model.config.use_cache = False
+        if fsdp:  # FSDP flattens parameters of one dtype; its mixed-precision policy casts for compute
+            model.float()
+        model = prepare_trainable(model, ft, upcast)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_all = sum(p.numel() for p in model.parameters())
+        log(f"  method {ft.method}: {n_train / 1e6:.2f}M trainable of {n_all / 1e6:.1f}M parameters; "
+            f"{world} process(es), {acc.distributed_type.value}, mixed precision {acc.mixed_precision}")
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": ft.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=ft.lr, betas=tuple(ft.adam_betas))
+        model, optimizer = acc.prepare(model, optimizer)  # together: FSDP2 swaps the parameters
+        params = [p for p in model.parameters() if p.requires_grad]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(ft, s))
+
+        start = 0
+        if resume_from is not None:
+            ckpts.load(resume_from, model, optimizer, scheduler)
+            start = ckpts.read_state(resume_from)["step"]
+            log(f"  resumed from {resume_from} at step {start}/{ft.steps}")
+        else:
+            if main:
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir(parents=True)
+            acc.wait_for_everyone()
+            set_seed(ft.seed + rank)  # dropout masks differ across ranks, the same across restarts
+
+        metrics = Metrics(root, main, ft.tensorboard, keep_until=start)
+        meta = {"fingerprint": _fingerprint(job), "world": world, "steps": ft.steps}
+        ga, mb = ft.gradient_accumulation_steps, ft.micro_batch_size
+        log(f"  {ft.steps} steps x {ga} micro-batches x {mb} x {world} process(es) x {ft.seq_len} tokens, "
+            f"lr {ft.lr:g} ({ft.lr_schedule}, warmup {ft.warmup_steps})")
+
+        batches = data.batches(start_micro=start * ga)
+        bar = tqdm(total=ft.steps, initial=start, disable=not main, unit="step", desc="  finetune", dynamic_ncols=True)
+        step, first_loss, last_loss, t_begin, tokens_total = start, None, None, time.perf_counter(), 0
+        with StopOnSignal(bar.write if main else (lambda m: None)) as stop:
+            while step < ft.steps:
+                if _agree(acc, stop.signum is not None):
+                    ckpts.save(step, model, optimizer, scheduler, meta)
+                    name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
+                    raise FinetuneInterrupted(
+                        f"finetune interrupted ({name}) after step {step}/{ft.steps}; checkpoint saved in {ckpts.path}: "
+                        "re-run the same command with --resume to continue")
+                t0 = time.perf_counter()
+                losses, n_tok = [], 0
+                for i in range(ga):
+                    batch = {k: v.to(acc.device) for k, v in next(batches).items()}
+                    n_tok += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                    sync = contextlib.nullcontext() if i == ga - 1 else acc.no_sync(model)
+                    with sync:
+                        loss = model(**batch).loss
+                        acc.backward(loss / ga)
+                    losses.append(loss.detach().float())
+                grad_norm = acc.clip_grad_norm_(params, ft.max_grad_norm) if ft.max_grad_norm > 0 else None
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+
+                loss_t = torch.stack(losses).mean()
+                tok_t = torch.tensor([n_tok], device=acc.device, dtype=torch.float64)
+                if world > 1:
+                    loss_t, tok_t = acc.reduce(loss_t, "mean"), acc.reduce(tok_t, "sum")
+                loss_v, step_tokens = loss_t.item(), int(tok_t.item())
+                dt = time.perf_counter() - t0
+                tokens_total += step_tokens
+                first_loss = loss_v if first_loss is None else first_loss
+                last_loss = loss_v
+                record = {"step": step, "loss": loss_v, "lr": lr,
+                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "tokens": step_tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
+                if step % ft.log_every == 0 or step == ft.steps:
+                    metrics.log(record)
+                bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{step_tokens / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
+                bar.update(1)
+                if ft.checkpoint_every and step % ft.checkpoint_every == 0 and step < ft.steps:
+                    ckpts.save(step, model, optimizer, scheduler, meta)
+                if on_step is not None:
+                    on_step(step, record)
+        bar.close()
+        metrics.close()
+        if step > start or resume_from is None:
+            ckpts.save(step, model, optimizer, scheduler, {**meta, "finished": True})
+        elapsed = time.perf_counter() - t_begin
+        if step > start:
+            log(f"  trained steps {start + 1}-{step}: loss {first_loss:.4f} -> {last_loss:.4f}, "
+                f"{tokens_total:,} tokens in {elapsed:.1f}s ({tokens_total / max(elapsed, 1e-9):,.0f} tokens/s)")
+        _finish(job, acc, model, ft, root, use_cache)
+    finally:
+        if world == 1:  # let a later stage (or test) build a fresh Accelerator with other settings
+            AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _agree(acc, flag: bool) -> bool:
+    """True on every rank if any rank got a stop signal."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, "sum").item() > 0)
+
+
+def _check_resumable(saved: dict, job, world: int) -> None:
+    if saved.get("world") != world:
+        raise CCAError(f"the finetune checkpoint was written by {saved.get('world')} process(es), this run has {world}: "
+                       "resume with the same number (the data order depends on it)")
+    old, new = saved.get("fingerprint", {}), _fingerprint(job)
+    if old != new:
+        diffs = []
+        for section in ("finetune", "cca"):
+            a, b = old.get(section, {}), new[section]
+            diffs += [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        raise CCAError(f"--resume: the recipe changed since the checkpoint ({'; '.join(diffs[:3])}); "
+                       "restore it, or delete the checkpoint folder to start over")
+
+
+def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None:
+    """Merge/unwrap the trained model into ``job.model`` (rank 0); other ranks leave the pipeline."""
+    acc.wait_for_everyone()
+    fsdp = acc.distributed_type.value == "FSDP"
+    full_state = acc.get_state_dict(model) if fsdp else None  # collective: every rank takes part
+    if not acc.is_main_process:
+        job.model = None
+        raise SystemExit(0)  # rank 0 exports; the others are done
+    if fsdp:  # rebuild an unsharded copy on rank 0 from the base weights and the gathered state
+        from .. import published
+
+        cls = published.load("modeling_cca").CCAForCausalLM
+        if (Path(job.base_dir) / "config.json").is_file():
+            fresh = cls.from_pretrained(job.base_dir, config=job.config, dtype=torch.float32)
+        else:  # no base files (benchmarks): every weight comes from the gathered state anyway
+            fresh = cls(job.config).float()
+        if ft.method == "lora":
+            from peft import get_peft_model
+
+            fresh = get_peft_model(fresh, lora_config(ft))
+        fresh.load_state_dict(full_state)
+        trained = fresh
+    else:
+        trained = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    if ft.method == "lora":
+        if ft.lora.save_adapter:
+            trained.save_pretrained(str(job.staging / "adapter"))
+        trained = trained.merge_and_unload()
+    (getattr(trained, "activation_checkpointing_disable", None) or trained.gradient_checkpointing_disable)()
+    trained = trained.to(device=job.device, dtype=job.dtype).eval()
+    trained.config.use_cache = use_cache
+    job.model, job.finetuned = trained, True
+
+    out = job.staging / "finetune"
+    out.mkdir(parents=True, exist_ok=True)
+    if (root / "metrics.jsonl").exists():
+        shutil.copy2(root / "metrics.jsonl", out / "metrics.jsonl")
+    if (root / "tensorboard").is_dir():
+        shutil.copytree(root / "tensorboard", out / "tensorboard", dirs_exist_ok=True)
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    job.card_extra += _card_section(ft, records, acc.num_processes)
+
+
+def _card_section(ft: FinetuneSection, records: list[dict], world: int) -> str:
+    what = {"lora": f"LoRA (r={ft.lora.r}, alpha={ft.lora.alpha:g}) on {', '.join(ft.lora.target_modules)}, merged into "
+                    "the weights" + (" (the adapter itself is in `adapter/`)" if ft.lora.save_adapter else ""),
+            "qkv": "only the q/k/v projections trained (the paper's partial finetuning)",
+            "full": "all parameters trained"}[ft.method]
+    tokens = sum(r.get("tokens", 0) for r in records) if ft.log_every == 1 else None
+    lines = ["## Finetuning", "", f"- method: {what}", f"- data: {describe(ft.data)}",
+             f"- {ft.steps} optimizer steps of {ft.gradient_accumulation_steps} x {ft.micro_batch_size} x {world} "
+             f"sequences of {ft.seq_len} tokens" + (f" ({tokens:,} tokens)" if tokens else ""),
+             f"- learning rate {ft.lr:g}, {ft.lr_schedule} schedule, {ft.warmup_steps} warmup steps"]
+    if records:
+        lines.append(f"- training loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+                     f"{records[-1]['loss']:.4f} (step {records[-1]['step']}); per-step metrics in "
+                     "`finetune/metrics.jsonl`")
+    return "\n".join(lines) + "\n\n"

@@ -1,0 +1,238 @@
+"""The finetune stage on tiny random CCA models (CPU, fp32): loss falls, interrupted runs resume
+bit-exactly, LoRA merges exactly, bad data specs fail before any training."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from cca_convert.errors import CCAError
+from cca_convert.finetune.trainer import FinetuneInterrupted, stage_finetune
+from cca_convert.pipeline import STAGES, Job
+from cca_convert.recipe import Recipe, load_recipe
+from tests.factories import cca_model_from, tiny_base_model
+
+WORDS = ("the lord spake unto moses saying speak unto the children of israel and say unto them "
+         "when any man of you bring an offering unto the lord ye shall bring your offering of the cattle").split()
+
+
+def write_text(path: Path, n_docs: int = 6, words: int = 300, seed: int = 0) -> Path:
+    """Docs separated by blank lines, drawn from a tiny bigram-ish process (learnable in a few steps)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        i = int(torch.randint(len(WORDS), (1,), generator=g))
+        out = []
+        for _ in range(words):
+            out.append(WORDS[i])
+            i = (i + 1) % len(WORDS) if torch.rand(1, generator=g) < 0.9 else int(torch.randint(len(WORDS), (1,), generator=g))
+        docs.append(" ".join(out) + ".")
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+def save_tokenizer(folder: Path, text: str, vocab_size: int = 90) -> None:
+    """A tiny BPE tokenizer (vocab < the tiny models' 96) saved in transformers format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>", "<unk>"])
+    tok.train_from_iterator([text], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    train = write_text(root / "train.txt", seed=0)
+    base = root / "base"
+    base.mkdir()
+    save_tokenizer(base, train.read_text())
+    return root
+
+
+def make_job(tmp_path: Path, corpus: Path, resume=False, overrides=(), seed=0, **ft) -> Job:
+    settings = dict(enabled=True, method="lora", seq_len=64, micro_batch_size=2, gradient_accumulation_steps=2,
+                    steps=6, learning_rate=3e-3, warmup_steps=1, gradient_checkpointing=True, checkpoint_every=2,
+                    data={"files": [str(corpus / "train.txt")], "sample_by": "paragraph"},
+                    lora={"r": 4, "alpha": 8, "dropout": 0.1})
+    settings.update(ft)
+    recipe = Recipe.model_validate({"cca": {"group_size": 4, "local_window": 8}, "finetune": settings})
+    for key, value in overrides:
+        section, name = key.split(".", 1)
+        setattr(getattr(recipe, section), name, value)
+    model = cca_model_from(tiny_base_model(seed=seed), group_size=4, local_window=8)
+    model.config.dtype = torch.float32
+    job = Job(source="tiny", base_dir=corpus / "base", output=tmp_path / "out", recipe=recipe, resume=resume,
+              device="cpu", log=lambda msg: None)
+    job.config, job.model = model.config, model
+    job.staging = tmp_path / "staging"
+    job.staging.mkdir(parents=True, exist_ok=True)
+    return job
+
+
+def losses(job: Job) -> list[float]:
+    lines = (job.staging / "finetune" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(ln)["loss"] for ln in lines]
+
+
+@pytest.mark.parametrize("method", ["lora", "qkv", "full"])
+def test_loss_falls_and_only_the_method_s_weights_change(tmp_path, corpus, method):
+    job = make_job(tmp_path, corpus, method=method, steps=8, learning_rate=1e-2 if method == "lora" else 3e-3)
+    before = {k: v.clone() for k, v in job.model.state_dict().items()}
+    stage_finetune(job)
+    curve = losses(job)
+    drop = 0.5 if method == "full" else 0.1  # a random tiny model: q/k/v alone move the loss less
+    assert len(curve) == 8 and curve[-1] < curve[0] - drop, curve
+    assert job.finetuned and type(job.model).__name__ == "CCAForCausalLM"  # LoRA merged away
+    after = job.model.state_dict()
+    assert set(after) == set(before)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    if method == "full":
+        assert {k for k in before if "mlp" in k} <= changed
+    else:
+        assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for k in changed), changed
+    assert (job.staging / "adapter" / "adapter_config.json").exists() == (method == "lora")
+    assert not job.model.training and job.model.config.use_cache is False  # factories' setting restored
+
+
+def test_interrupted_run_resumes_bit_exactly(tmp_path, corpus):
+    full = make_job(tmp_path / "a", corpus)
+    stage_finetune(full)
+    reference = losses(full)
+
+    job = make_job(tmp_path / "b", corpus)
+
+    def sigterm_after_3(step, record):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: finish the step, checkpoint, stop
+
+    with pytest.raises(FinetuneInterrupted, match=r"after step 3/6.*--resume"):
+        stage_finetune(job, on_step=sigterm_after_3)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+    with pytest.raises(CCAError, match="re-run with --resume"):  # never silently reused nor overwritten
+        stage_finetune(make_job(tmp_path / "b", corpus))
+    with pytest.raises(CCAError, match=r"recipe changed.*finetune.learning_rate"):
+        stage_finetune(make_job(tmp_path / "b", corpus, resume=True, learning_rate=1e-3))
+
+    resumed = make_job(tmp_path / "b", corpus, resume=True)
+    stage_finetune(resumed)
+    assert losses(resumed) == reference  # bit-exact, steps 1-6
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def test_merged_lora_logits_equal_adapter_logits(tmp_path, corpus):
+    from peft import PeftModel
+
+    job = make_job(tmp_path, corpus, steps=3, learning_rate=2e-2)
+    stage_finetune(job)
+    base = cca_model_from(tiny_base_model(), group_size=4, local_window=8)
+    ids = torch.randint(0, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(ids).logits
+        wrapped = PeftModel.from_pretrained(base, job.staging / "adapter").eval()
+        merged, adapter = job.model(ids).logits, wrapped(ids).logits
+    assert (adapter - plain).abs().max() > 1e-3  # the adapter does something
+    torch.testing.assert_close(merged, adapter, atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_and_jsonl_give_the_same_batches_shape(tmp_path, corpus):
+    rows = [{"text": p} for p in (corpus / "train.txt").read_text().split("\n\n")]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = make_job(tmp_path, corpus, steps=2, data={"files": [str(jsonl)], "streaming": True, "shuffle_buffer": 4})
+    stage_finetune(job)
+    assert len(losses(job)) == 2
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"files": ["nope/missing.txt"]}, r"finetune.data.files: file not found: nope/missing.txt"),
+    ({"files": ["{tmp}/empty.txt"]}, r"is empty"),
+    ({"files": ["{tmp}/docs.jsonl"], "text_field": "content"}, r"no column 'content' \(columns: text\)"),
+    ({"files": ["{tmp}/numbers.jsonl"]}, r"holds int values, not text"),
+    ({"files": ["{tmp}/short.txt"]}, r"fewer than one finetune.seq_len=64 block"),
+    ({"files": ["{tmp}/data.csv"]}, r"cannot tell the format"),
+])
+def test_bad_data_fails_before_training(tmp_path, corpus, data, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "docs.jsonl").write_text('{"text": "a b c"}\n')
+    (tmp_path / "numbers.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "short.txt").write_text("the lord spake\n")
+    (tmp_path / "data.csv").write_text("text\nabc\n")
+    data["files"] = [f.format(tmp=tmp_path) for f in data["files"]]
+    job = make_job(tmp_path, corpus, data=data)
+    before = {k: v.clone() for k, v in job.model.state_dict().items()}
+    with pytest.raises(CCAError, match=message):
+        stage_finetune(job)
+    assert all(torch.equal(v, job.model.state_dict()[k]) for k, v in before.items())
+    assert not (job.work_dir / "finetune").exists()
+
+
+def test_seq_len_beyond_the_context_fails_with_the_fix(tmp_path, corpus):
+    job = make_job(tmp_path, corpus, seq_len=1024)  # tiny models have max_position_embeddings 512
+    with pytest.raises(CCAError, match=r"seq_len=1024 exceeds .*max_position_embeddings=512.*"
+                                       r"--set cca.max_position_embeddings=1024"):
+        stage_finetune(job)
+
+
+def test_recipe_keys_and_enabled_switch(tmp_path):
+    demo = Path(__file__).parents[1] / "recipes" / "tiny-demo.yaml"
+    recipe, _ = load_recipe(demo)
+    job = Job(source="x", base_dir=tmp_path, output=tmp_path / "o", recipe=recipe)
+    names = [s.name for s in STAGES if s.enabled(job)]
+    assert names.index("load") < names.index("finetune") < names.index("export")
+    recipe, _ = load_recipe(demo, ["finetune.enabled=false"])
+    job = Job(source="x", base_dir=tmp_path, output=tmp_path / "o", recipe=recipe)
+    assert "finetune" not in [s.name for s in STAGES if s.enabled(job)]
+    with pytest.raises(CCAError, match=r"finetune.method"):
+        load_recipe(demo, ["finetune.method=adapters"])
+    with pytest.raises(CCAError, match=r"needs data"):
+        load_recipe(None, ["finetune.enabled=true"], family="llama")
+
+
+def test_pipeline_exports_the_finetuned_model(tmp_path, corpus):
+    """CLI end to end on a tiny base (no round trip, to stay fast): weights change, metrics ship;
+    the same command with --set finetune.enabled=false exports the base weights."""
+    from safetensors.torch import load_file
+
+    from cca_convert.cli import main
+
+    base = tmp_path / "base"
+    tiny_base_model().save_pretrained(base)
+    for f in (corpus / "base").iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "cca: {group_size: 4, local_window: 8}\n"
+        f"finetune: {{enabled: true, seq_len: 64, steps: 2, gradient_accumulation_steps: 1, warmup_steps: 0,\n"
+        f"  data: {{files: ['{corpus / 'train.txt'}']}}}}\n"
+        "export: {dtype: float32, roundtrip: false}\n")
+
+    def weights(folder):
+        out = {}
+        for f in folder.glob("*.safetensors"):
+            out.update(load_file(f))
+        return out
+
+    common = [str(base), "--recipe", str(recipe), "--set", "validate.enabled=false"]
+    assert main(common + ["--output", str(tmp_path / "ft")]) == 0
+    assert main(common + ["--output", str(tmp_path / "plain"), "--set", "finetune.enabled=false"]) == 0
+    ft, plain = weights(tmp_path / "ft"), weights(tmp_path / "plain")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ft[q], plain[q])
+    assert torch.equal(ft["model.layers.0.mlp.up_proj.weight"], plain["model.layers.0.mlp.up_proj.weight"])
+    assert (tmp_path / "ft" / "finetune" / "metrics.jsonl").exists()
+    assert (tmp_path / "ft" / "adapter" / "adapter_model.safetensors").exists()
+    assert "## Finetuning" in (tmp_path / "ft" / "README.md").read_text()
+    assert not (tmp_path / "plain" / "finetune").exists()
+    assert not (tmp_path / ".ft.work").exists()  # checkpoints removed after success
