@@ -11,11 +11,15 @@ import sys
 import types
 from pathlib import Path
 
-from . import kernels as _kernels_pkg
-from . import modeling as _modeling_pkg
+try:  # installed: pyproject maps modeling/ and kernels/ to cca_convert.modeling / cca_convert.kernels
+    from . import kernels as _kernels_pkg
+    from . import modeling as _modeling_pkg
 
-MODELING_DIR = Path(_modeling_pkg.__file__).parent
-KERNELS_DIR = Path(_kernels_pkg.__file__).parent
+    MODELING_DIR = Path(_modeling_pkg.__file__).parent
+    KERNELS_DIR = Path(_kernels_pkg.__file__).parent
+except ImportError:  # a source checkout on PYTHONPATH, not installed
+    MODELING_DIR = Path(__file__).resolve().parent.parent / "modeling"
+    KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PACKAGE = "cca_convert._published"
 
 # Copied into every exported repo, in this order (modeling first: it is what users read).
