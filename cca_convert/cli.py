@@ -37,6 +37,9 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) of SOURCE")
     p.add_argument("--resume", action="store_true", help="continue an interrupted finetune from its last checkpoint")
     p.add_argument("--force", action="store_true", help="export (and push) even if a validation gate fails")
+    from .publish import add_push_options
+
+    add_push_options(p)
     return p
 
 
@@ -54,6 +57,10 @@ def run_convert(argv: list[str]) -> int:
     args = convert_parser().parse_args(argv)
     output = args.output or default_output(args.source)
     check_output(output, args.overwrite)  # fail before any download
+    if args.push_to_hub:
+        from .publish import preflight
+
+        preflight(args.push_to_hub, revision=args.hub_revision, create_pr=args.create_pr)
     recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
     base_dir = resolve_source(args.source, args.revision)
     family = read_base_config(base_dir)["model_type"]
@@ -61,12 +68,29 @@ def run_convert(argv: list[str]) -> int:
         recipe, path = load_recipe(None, args.overrides, family)
         print(f"recipe: {path.name} (default for {family})")
     job = Job(source=args.source, base_dir=base_dir, output=output, recipe=recipe, overwrite=args.overwrite,
-              resume=args.resume, force=args.force)
+              resume=args.resume, force=args.force, push_to_hub=args.push_to_hub, private=args.private,
+              hub_revision=args.hub_revision, create_pr=args.create_pr)
     run_job(job)
     return 0
 
 
 COMMANDS = {}  # subcommand name -> handler(argv) -> exit code; the default command is convert
+
+
+def _validate(argv: list[str]) -> int:
+    from .validate.runner import run_validate
+
+    return run_validate(argv)
+
+
+def _push(argv: list[str]) -> int:
+    from .publish import run_push
+
+    return run_push(argv)
+
+
+COMMANDS["validate"] = _validate
+COMMANDS["push"] = _push
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The conversion pipeline: named stages run in order over one ``Job``.
 
-convert -> load -> [finetune] -> [validate] -> export -> roundtrip -> commit -> [push]
+convert -> load -> [baseline] -> [finetune] -> [validate] -> export -> roundtrip -> commit -> [push]
 
 Every stage writes only inside the job's staging folder; ``commit`` moves it into place, so a run
 that fails at any stage leaves nothing that looks like a finished repo.
@@ -22,7 +22,9 @@ from . import export, roundtrip
 from .convert import build_cca_config
 from .errors import CCAError
 from .model_card import build_model_card
+from .publish import stage_push
 from .recipe import Recipe
+from .validate.runner import finetune_enabled, stage_baseline, stage_validate
 
 
 @dataclass
@@ -34,6 +36,10 @@ class Job:
     overwrite: bool = False
     resume: bool = False  # continue an interrupted finetune from its last checkpoint
     force: bool = False  # go on past failed validation gates
+    push_to_hub: str | None = None  # Hub repo to upload the committed output to (stage "push")
+    private: bool = False
+    hub_revision: str | None = None  # branch of push_to_hub
+    create_pr: bool = False
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     log: Callable[[str], None] = print
     # Filled in by the stages.
@@ -46,6 +52,8 @@ class Job:
     roundtrip_ids: torch.Tensor | None = None
     roundtrip_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    validation: Any = None  # held-out data and measurements shared by the baseline and validate stages
+    push_url: str | None = None
 
     @property
     def work_dir(self) -> Path:
@@ -115,13 +123,18 @@ class Stage:
     name: str
     run: Callable[[Job], None]
     enabled: Callable[[Job], bool] = lambda job: True
+    after_commit: bool = False  # runs on the committed output folder (e.g. push)
 
 
 STAGES: list[Stage] = [
     Stage("convert", stage_convert),
     Stage("load", stage_load),
+    # "baseline" measures base and CCA *before* the finetune: a finetune stage goes between it and "validate".
+    Stage("baseline", stage_baseline, lambda job: job.recipe.validate.enabled and finetune_enabled(job)),
+    Stage("validate", stage_validate, lambda job: job.recipe.validate.enabled),
     Stage("export", stage_export),
     Stage("roundtrip", stage_roundtrip, lambda job: job.recipe.export.roundtrip),
+    Stage("push", stage_push, lambda job: job.push_to_hub is not None, after_commit=True),
 ]
 
 
@@ -129,15 +142,25 @@ def run_job(job: Job) -> Path:
     """Run every enabled stage; the output folder appears only if all of them pass."""
     export.check_output(job.output, job.overwrite)
     stages = [s for s in STAGES if s.enabled(job)]
+    stages = [s for s in stages if not s.after_commit] + [s for s in stages if s.after_commit]
+
+    def run(i: int, stage: Stage) -> None:
+        job.log(f"[{i}/{len(stages)}] {stage.name}")
+        start = time.perf_counter()
+        stage.run(job)
+        job.timings[stage.name] = time.perf_counter() - start
+
     with export.Staging(job.output) as staging:
         job.staging = staging.path
         for i, stage in enumerate(stages, 1):
-            job.log(f"[{i}/{len(stages)}] {stage.name}")
-            start = time.perf_counter()
-            stage.run(job)
-            job.timings[stage.name] = time.perf_counter() - start
+            if not stage.after_commit:
+                run(i, stage)
         staging.commit()
     shutil.rmtree(job.work_dir, ignore_errors=True)
+    job.staging = job.output
+    for i, stage in enumerate(stages, 1):
+        if stage.after_commit:
+            run(i, stage)
     job.log(f"done: {job.output} ({', '.join(f'{k} {v:.1f}s' for k, v in job.timings.items())})")
     return job.output
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import recipes as _recipes_pkg
 from .errors import CCAError
+from .validate.config import ValidateSection
 
 RECIPES_DIR = Path(_recipes_pkg.__file__).parent
 # Base model families (config.json model_type) and the recipe used when none is given.
@@ -46,6 +47,7 @@ class ExportSection(Section):
 class Recipe(Section):
     cca: CCASection = CCASection()
     export: ExportSection = ExportSection()
+    validate: ValidateSection = ValidateSection()
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]

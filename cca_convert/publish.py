@@ -1,0 +1,126 @@
+"""Publishing an exported folder to the Hub: ``cca-convert push DIR REPO`` and the pipeline's ``push`` stage
+(``--push-to-hub REPO``), both through ``hub.push_folder``.
+
+The token comes from where huggingface_hub looks (HF_TOKEN, ``hf auth login``); it is never printed or
+written. A folder whose ``validation/report.json`` failed its gates is refused unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .errors import CCAError
+
+
+def check_report(folder: Path, force: bool, log=print) -> dict | None:
+    """The folder's validation report; CCAError if it failed its gates (unless ``force``)."""
+    path = Path(folder) / "validation" / "report.json"
+    if not path.is_file():
+        log(f"note: {folder} has no validation/report.json (validation was skipped); pushing without it")
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CCAError(f"{path} is not a readable validation report ({type(exc).__name__}): re-run "
+                       f"`cca-convert validate {folder}`") from None
+    if not report.get("passed", False):
+        why = report.get("failed_gates") or "see validation/report.md"
+        if not force:
+            raise CCAError(f"{folder} failed its validation gates ({why}); refusing to push. Fix the model or the "
+                           "gates and re-run `cca-convert validate`, or pass --force to push it anyway")
+        log(f"WARNING: pushing a folder that failed its validation gates (--force): {why}")
+    return report
+
+
+def preflight(repo_id: str, *, revision: str | None, create_pr: bool) -> None:
+    """Checks that need no upload, run before a long conversion: repo id, options, offline mode, a token."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from .hub import LOGIN_HINT
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise CCAError(f"--push-to-hub: {repo_id!r} is not a valid Hub repo id (like 'your-name/model-cca')") from None
+    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
+        raise CCAError(f"a pull request is always opened against main: drop --hub-revision {revision} or --create-pr")
+    if constants.HF_HUB_OFFLINE:
+        raise CCAError("--push-to-hub: HF_HUB_OFFLINE is set: unset it to push to the Hub")
+    if not huggingface_hub.get_token():
+        raise CCAError(f"--push-to-hub needs a token with write access: {LOGIN_HINT}")
+
+
+def _commit_message(folder: Path, report: dict | None) -> str:
+    msg = f"Upload {folder.name} with cca-convert"
+    if report is not None:
+        msg += "; validation " + ("passed" if report.get("passed") else "FAILED (pushed with --force)")
+    return msg
+
+
+def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | None = None, create_pr: bool = False,
+         force: bool = False, log=print) -> str:
+    from .hub import push_folder
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise CCAError(f"{folder} has no config.json: pass a folder exported by cca-convert")
+    report = check_report(folder, force, log)
+    url = push_folder(folder, repo_id, private=private, revision=revision, create_pr=create_pr,
+                      commit_message=_commit_message(folder, report))
+    log(f"  pushed {folder} to {repo_id}: {url}")
+    return url
+
+
+def stage_push(job) -> None:
+    """Last stage, after the output folder was committed."""
+    try:
+        job.push_url = push(job.output, job.push_to_hub, private=job.private, revision=job.hub_revision,
+                            create_pr=job.create_pr, force=job.force, log=job.log)
+    except CCAError as exc:
+        opts = "".join([" --private" * job.private, f" --hub-revision {job.hub_revision}" * bool(job.hub_revision),
+                        " --create-pr" * job.create_pr, " --force" * job.force])
+        raise CCAError(f"{exc} [the converted model is complete in {job.output}: upload it with "
+                       f"`cca-convert push {job.output} {job.push_to_hub}{opts}`]") from None
+
+
+def push_parser() -> argparse.ArgumentParser:
+    from .cli import _Parser
+
+    p = _Parser(
+        prog="cca-convert push",
+        description="Upload an exported folder to a Hub model repo (created if missing) in one commit. The token "
+                    "comes from HF_TOKEN or `hf auth login`.",
+        epilog="examples:\n  cca-convert push out/tiny-cca your-name/tiny-cca\n"
+               "  cca-convert push llama-3.1-8b-cca org/llama-3.1-8b-cca --private --hub-revision v1\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("folder", type=Path, metavar="DIR", help="folder written by cca-convert")
+    p.add_argument("repo_id", metavar="REPO", help="Hub repo id, e.g. your-name/model-cca")
+    add_push_options(p, flag_names=False)
+    p.add_argument("--force", action="store_true", help="push even if the folder failed its validation gates")
+    return p
+
+
+def add_push_options(p: argparse.ArgumentParser, flag_names: bool = True) -> None:
+    """--private, --hub-revision, --create-pr (and, for the convert command, --push-to-hub REPO)."""
+    if flag_names:
+        p.add_argument("--push-to-hub", metavar="REPO", help="after a successful export, upload the folder to this "
+                                                            "Hub repo (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private (an existing repo keeps its "
+                                                          "visibility)")
+    p.add_argument("--hub-revision", metavar="BRANCH", help="push to this branch of the Hub repo (created from main)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request against main instead of committing")
+
+
+def run_push(argv: list[str]) -> int:
+    args = push_parser().parse_args(argv)
+    if not args.folder.is_dir():
+        raise CCAError(f"no such folder to push: {args.folder}")
+    push(args.folder, args.repo_id, private=args.private, revision=args.hub_revision, create_pr=args.create_pr,
+         force=args.force)
+    return 0

@@ -1,0 +1,78 @@
+"""The ``validate:`` recipe section: held-out data, context lengths, passkey, speed and gates."""
+
+from __future__ import annotations
+
+import warnings
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The recipe key is ``validate:``; as a pydantic field it shadows the deprecated ``BaseModel.validate`` classmethod,
+# which nothing here uses (``Recipe.model_validate`` is the v2 name). recipe.py imports this module first.
+warnings.filterwarnings("ignore", message='Field name "validate" in "Recipe" shadows', category=UserWarning)
+
+
+class Section(BaseModel):  # same as recipe.Section (not imported from there: recipe.py imports this module)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class HeldoutData(Section):
+    """Held-out text: local files, or a ``datasets`` dataset (one of the two). It must not overlap the
+    finetune data: the same file (path or content) or the same dataset + config + split is refused."""
+
+    files: list[str] = Field(default_factory=list, description="local UTF-8 text files (paths relative to the cwd)")
+    dataset: str | None = Field(None, description="a datasets id, e.g. emozilla/pg19-test (streamed)")
+    dataset_config: str | None = None
+    split: str = "test"
+    text_column: str = "text"
+    max_documents: int = Field(64, ge=1, description="datasets rows read at most")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.files and self.dataset:
+            raise ValueError("give either files or dataset, not both")
+        return self
+
+    def describe(self) -> str:
+        if self.dataset:
+            cfg = f"/{self.dataset_config}" if self.dataset_config else ""
+            return f"{self.dataset}{cfg} ({self.split})"
+        return ", ".join(self.files) or "(none)"
+
+
+class ValidateSection(Section):
+    enabled: bool = True
+    data: HeldoutData = HeldoutData()
+    context_lengths: list[int] = Field(default_factory=lambda: [4096, 8192, 16384, 32768],
+                                       description="perplexity / passkey / speed lengths, in tokens")
+    windows: int = Field(4, ge=1, description="perplexity windows per length (at most; evenly spread)")
+    stride: int | None = Field(None, ge=1, description="distance between candidate window starts (default: the length, "
+                                                          "i.e. non-overlapping windows)")
+    batch_size: int = Field(1, ge=1, description="sequences per forward pass")
+    passkey_depths: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
+                                        description="where the pass key sits in the filler (0 = start, 1 = end)")
+    passkey_trials: int = Field(1, ge=0, description="random keys per depth and length (0: no passkey check)")
+    passkey_digits: int = Field(5, ge=1, le=12)
+    speed: bool = Field(True, description="time one prefill and its peak memory, base vs CCA, at each length")
+    speed_repeats: int = Field(1, ge=1, description="timed prefills per length and model (after one warm-up)")
+    seed: int = 0
+    # Gates, against the final CCA model (after the finetune when there is one); null turns a gate off.
+    max_ppl_ratio: float | None = Field(1.10, gt=0, description="CCA ppl / base ppl, at every length")
+    min_passkey_accuracy: float | None = Field(None, ge=0, le=1, description="CCA passkey accuracy, at every length")
+    max_passkey_drop: float | None = Field(None, ge=0, le=1,
+                                           description="base accuracy - CCA accuracy, at every length")
+
+    @field_validator("context_lengths")
+    @classmethod
+    def _lengths(cls, v):
+        if not v:
+            raise ValueError("give at least one context length")
+        if any(n < 2 for n in v):
+            raise ValueError("context lengths must be >= 2")
+        return sorted(set(v))
+
+    @field_validator("passkey_depths")
+    @classmethod
+    def _depths(cls, v):
+        if any(not 0 <= d <= 1 for d in v):
+            raise ValueError("passkey depths must be between 0 and 1")
+        return v

@@ -1,0 +1,289 @@
+"""The validation report: ``validation/report.json`` (machine-readable), ``report.md`` and ``ppl.png``, and
+what the model card shows of it (a Markdown section and ``model-index`` eval results)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from . import gates as gates_mod
+from .perplexity import __doc__ as PPL_DOC
+
+SCHEMA = 1
+LABELS = {"base": "base", "cca": "CCA", "cca_before": "CCA before finetune", "cca_after": "CCA after finetune"}
+ORDER = ["base", "cca_before", "cca", "cca_after"]
+PACKAGES = ["cca-convert", "torch", "transformers", "huggingface_hub", "datasets", "tokenizers", "safetensors",
+            "triton", "peft", "accelerate"]
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def hardware(device: str) -> dict:
+    import torch
+
+    info = {"device": str(device), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                    gpu_count=torch.cuda.device_count())
+    return info
+
+
+def build(section, results: dict, speed: dict, gates: list[dict], *, final: str, model: dict, data: dict,
+          recipe_digest: str, forced: bool, device: str, timings: dict | None = None,
+          base_note: str = "the base model") -> dict:
+    """The report as a JSON-able dict (``results[name]`` as measured by the runner)."""
+    bad = gates_mod.failed(gates)
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "passed": not bad,
+        "forced": bool(forced and bad),
+        "failed_gates": gates_mod.summary(gates) or None,
+        "final_model": final,
+        "models": [k for k in ORDER if k in results],
+        "model": model,
+        "base_note": base_note,
+        "data": data,
+        "method": {
+            "perplexity": " ".join(PPL_DOC.split("\n\n", 1)[1].split()).replace("``", "`"),
+            "passkey": "prompt of exactly L tokens (filler with 'The pass key is N. Remember it.' at each depth, "
+                       "then 'What is the pass key? The pass key is'); correct = greedy decoding reproduces all "
+                       "answer tokens (teacher-forced argmax)",
+            "speed": "one forward over L tokens (no KV cache, last-token logits), median of repeats after a "
+                     "warm-up; peak memory above what was allocated before",
+            "windows": section.windows, "stride": section.stride, "batch_size": section.batch_size,
+        },
+        "context_lengths": list(section.context_lengths),
+        "results": results,
+        "speed": speed,
+        "gates": gates,
+        "recipe_digest": recipe_digest,
+        "validate_recipe": section.model_dump(mode="json"),
+        "seeds": {"validate.seed": section.seed, "passkey": f"random.Random('{section.seed}-<length>')",
+                  "windows": "deterministic (evenly spread, no randomness)"},
+        "versions": versions(),
+        "hardware": hardware(device),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "timings_s": timings or {},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------------------------------------------
+def _mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def ppl_table(report: dict) -> str:
+    models = report["models"]
+    final = report["final_model"]
+    head = "| context | " + " | ".join(f"{LABELS[m]} ppl" for m in models) + f" | {LABELS[final]} / base |"
+    lines = [head, "|" + " --- |" * (len(models) + 2)]
+    for length in report["context_lengths"]:
+        k = str(length)
+        cells = [report["results"][m]["perplexity"].get(k, {}).get("ppl") for m in models]
+        base, fin = report["results"].get("base", {}).get("perplexity", {}).get(k), \
+            report["results"][final]["perplexity"].get(k)
+        ratio = fin["ppl"] / base["ppl"] if base and fin else None
+        lines.append(f"| {length} | " + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(ratio)} |")
+    return "\n".join(lines)
+
+
+def passkey_table(report: dict) -> str | None:
+    models = report["models"]
+    if not any(report["results"][m].get("passkey") for m in models):
+        return None
+    lines = ["| context | " + " | ".join(LABELS[m] for m in models) + " |", "|" + " --- |" * (len(models) + 1)]
+    for length in report["context_lengths"]:
+        cells = []
+        for m in models:
+            pk = report["results"][m].get("passkey", {}).get(str(length))
+            cells.append("n/a (prompt does not fit)" if not pk or pk["accuracy"] is None
+                         else f"{pk['accuracy']:.0%} ({pk['correct']}/{pk['trials']}; answer tokens "
+                         f"{pk.get('digit_accuracy') or 0:.0%})")
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def speed_table(report: dict) -> str | None:
+    if not report["speed"]:
+        return None
+    lines = ["| context | base prefill | CCA prefill | speed-up | base peak memory | CCA peak memory |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for length in report["context_lengths"]:
+        s = report["speed"].get(str(length))
+        if not s:
+            continue
+        b, c = s["base"], s["cca"]
+        lines.append(f"| {length} | {b['latency_s'] * 1e3:,.1f} ms | {c['latency_s'] * 1e3:,.1f} ms | "
+                     f"{b['latency_s'] / c['latency_s']:.2f}x | {_mib(b['peak_mem_bytes'])} | "
+                     f"{_mib(c['peak_mem_bytes'])} |")
+    return "\n".join(lines)
+
+
+def gates_table(report: dict) -> str:
+    if not report["gates"]:
+        return "No gates configured."
+    lines = ["| gate | context | value | threshold | result |", "| --- | --- | --- | --- | --- |"]
+    for g in report["gates"]:
+        result = {True: "pass", False: f"**FAIL** ({g['detail']})", None: "not measured"}[g["passed"]]
+        lines.append(f"| {g['gate']} | {g['length']} | {_fmt(g['value'])} | {g['threshold']:g} | {result} |")
+    return "\n".join(lines)
+
+
+def _status(report: dict) -> str:
+    if not report["gates"]:
+        return "**No gates configured.**"
+    if report["passed"]:
+        return "**All gates passed.**"
+    return (f"**Gates FAILED**{' (exported anyway with --force)' if report['forced'] else ''}: "
+            f"{report['failed_gates']}")
+
+
+def _sections(report: dict, plot: str) -> list[str]:
+    out = [f"### Perplexity on held-out text\n\n{ppl_table(report)}\n\n![perplexity vs context length]({plot})"]
+    if (pk := passkey_table(report)) is not None:
+        out.append(f"### Passkey retrieval (accuracy)\n\n{pk}")
+    if (sp := speed_table(report)) is not None:
+        out.append(f"### Prefill on {report['hardware'].get('gpu') or report['hardware']['device']}\n\n{sp}")
+    out.append(f"### Gates\n\n{gates_table(report)}" + (f"\n\n{_status(report)}" if report["gates"] else ""))
+    return out
+
+
+def markdown(report: dict) -> str:
+    m, d, hw = report["model"], report["data"], report["hardware"]
+    v = report["versions"]
+    parts = [
+        f"# Validation report: {m.get('name')}\n",
+        f"- model: {m.get('name')} (CCA g={m.get('group_size')}, s={m.get('local_window')}, "
+        f"pooling {m.get('pooling')}; "
+        f"base: {m.get('base_model')}{', finetuned' if m.get('finetuned') else ''})",
+        f"- base = {report['base_note']}",
+        f"- held-out data: {d['source']} ({d['tokens']:,} tokens{'; ' + d['overlap'] if d.get('overlap') else ''})",
+        f"- perplexity: {report['method']['perplexity']}",
+        f"- passkey: {report['method']['passkey']}",
+        f"- speed: {report['method']['speed']}",
+        f"- hardware: {hw.get('gpu') or hw['device']} ({hw['cpu_count']} CPUs, {hw['platform']})",
+        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- recipe digest {report['recipe_digest']}, seed {report['validate_recipe']['seed']}, "
+        f"created {report['created']}",
+        "",
+        _status(report),
+        "",
+    ]
+    return "\n".join(parts) + "\n" + "\n\n".join(s.replace("###", "##", 1) for s in _sections(report, "ppl.png")) + "\n"
+
+
+def card_markdown(report: dict) -> str:
+    """The model card's validation section (the plot and report linked relative to the repo root)."""
+    intro = (f"Measured by cca-convert before upload on {report['data']['source']} (held out from any finetune "
+             f"data), {report['hardware'].get('gpu') or report['hardware']['device']}. Base = {report['base_note']}. "
+             "Full report: "
+             "[validation/report.md](validation/report.md), [JSON](validation/report.json).")
+    return "## Validation\n\n" + intro + "\n\n" + "\n\n".join(_sections(report, "validation/ppl.png")) + "\n"
+
+
+def eval_results(report: dict):
+    """``model-index`` entries (huggingface_hub EvalResult) for the final CCA model."""
+    from huggingface_hub import EvalResult
+
+    d, final = report["data"], report["final_model"]
+    common = dict(task_type="text-generation", task_name="Text Generation", dataset_type=d.get("hub_id") or "text",
+                  dataset_name=d["source"], dataset_split=d.get("split"), dataset_config=d.get("config"))
+    out = []
+    for length in report["context_lengths"]:
+        ppl = report["results"][final]["perplexity"].get(str(length))
+        if ppl:
+            out.append(EvalResult(**common, metric_type="perplexity", metric_name=f"Perplexity @ {length} tokens",
+                                  metric_value=round(ppl["ppl"], 4), metric_config=str(length)))
+        pk = report["results"][final].get("passkey", {}).get(str(length))
+        if pk and pk["accuracy"] is not None:
+            out.append(EvalResult(**common, metric_type="accuracy", metric_name=f"Passkey retrieval @ {length} tokens",
+                                  metric_value=round(pk["accuracy"], 4), metric_config=str(length)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Plot and files
+# ----------------------------------------------------------------------------------------------------------------------
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    lengths = report["context_lengths"]
+    has_pk = passkey_table(report) is not None
+    fig, axes = plt.subplots(1, 2 if has_pk else 1, figsize=(10 if has_pk else 5.5, 3.8), squeeze=False)
+    styles = {"base": ("k", "o", "-"), "cca_before": ("tab:orange", "s", "--"), "cca": ("tab:blue", "s", "-"),
+              "cca_after": ("tab:blue", "D", "-")}
+    ax = axes[0, 0]
+    for m in report["models"]:
+        xs = [n for n in lengths if str(n) in report["results"][m]["perplexity"]]
+        ys = [report["results"][m]["perplexity"][str(n)]["ppl"] for n in xs]
+        color, marker, ls = styles[m]
+        ax.plot(xs, ys, color=color, marker=marker, linestyle=ls, label=LABELS[m])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("held-out perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if has_pk:
+        ax = axes[0, 1]
+        for m in report["models"]:
+            pts = [(n, report["results"][m].get("passkey", {}).get(str(n), {}).get("accuracy")) for n in lengths]
+            pts = [(n, a) for n, a in pts if a is not None]
+            color, marker, ls = styles[m]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, linestyle=ls, label=LABELS[m])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("accuracy")
+        ax.set_title("passkey retrieval")
+        ax.grid(alpha=0.3)
+    fig.suptitle(report["model"].get("name") or "", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: dict, folder: Path) -> Path:
+    """Write ``folder/validation/{report.json, report.md, ppl.png}``; return the validation folder."""
+    out = Path(folder) / "validation"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "ppl.png")
+    return out
+
+
+def read(folder: Path) -> dict | None:
+    path = Path(folder) / "validation" / "report.json"
+    return json.loads(path.read_text()) if path.is_file() else None

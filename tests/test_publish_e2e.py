@@ -1,0 +1,131 @@
+"""End to end against the local test Hub (no internet): a base model on the Hub -> cca-convert with validation and
+--push-to-hub -> transformers loads the pushed repo with trust_remote_code in a fresh process -> same logits as the
+local export. And `cca-convert push` refuses a folder whose validation failed its gates unless --force."""
+
+import json
+
+import torch
+import yaml
+
+from cca_convert.cli import main
+from cca_convert.validate.runner import load_cca_model
+from tests.factories import save_base
+from tests.hub_server import FAKE_TOKEN, hub_server  # noqa: F401 (fixture)
+from tests.test_validate import char_tokenizer, sample_text
+
+PROBE = torch.arange(3, 103).remainder(90)[None] + 3  # 100 tokens > local_window: real CCA attention
+
+LOAD_FROM_HUB = """
+import importlib.abc, sys
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "cca_convert" or name.startswith("cca_convert."):
+            raise ImportError("the pushed repo must load without cca_convert")
+
+sys.meta_path.insert(0, _Block())
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("user/tiny-cca", trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[1]), use_cache=False).logits, sys.argv[2])
+"""
+
+
+def seed_base(hub, tmp_path):
+    base = save_base(tmp_path / "base", vocab_size=128, max_position_embeddings=1024)
+    char_tokenizer().save_pretrained(base)
+    hub.create_repo_from_folder("user/tiny", base)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(1, 2000))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "cca": {"group_size": 4, "local_window": 16},
+        "export": {"dtype": "float32", "max_shard_size": "60KB", "roundtrip": False},
+        "validate": {"data": {"files": [str(heldout)]}, "context_lengths": [64, 128, 256], "windows": 2,
+                     "passkey_trials": 0, "speed": False, "max_ppl_ratio": 2.0},
+    }))
+    return recipe
+
+
+def test_convert_push_and_load_from_hub(tmp_path, hub_server, capsys, monkeypatch):
+    recipe = seed_base(hub_server, tmp_path)
+    out = tmp_path / "tiny-cca"
+    monkeypatch.chdir(tmp_path)
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(out), "--push-to-hub", "user/tiny-cca"]) == 0
+    printed = capsys.readouterr()
+    assert "pushed" in printed.out and FAKE_TOKEN not in printed.out + printed.err
+    assert not any(FAKE_TOKEN.encode() in p.read_bytes() for p in out.rglob("*") if p.is_file())
+
+    remote = hub_server.files("user/tiny-cca")
+    local = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert {k: v for k, v in remote.items() if k != ".gitattributes"} == local  # the whole folder, one commit
+    assert len([p for p in local if p.endswith(".safetensors")]) >= 2
+    assert json.loads(remote["validation/report.json"])["passed"] is True
+    assert "validation/ppl.png" in remote and "](validation/ppl.png)" in remote["README.md"].decode()
+    assert "validation passed" in hub_server.commits("user/tiny-cca")[-1].title
+
+    ids, logits = tmp_path / "ids.pt", tmp_path / "logits.pt"
+    torch.save(PROBE, ids)
+    (tmp_path / "empty").mkdir()
+    code = LOAD_FROM_HUB.replace("sys.argv[1]", repr(str(ids))).replace("sys.argv[2]", repr(str(logits)))
+    hub_server.run_python(code,
+                          cwd=tmp_path / "empty", HF_MODULES_CACHE=str(tmp_path / "modules"))  # empty module cache
+    assert any((tmp_path / "modules").rglob("modeling_cca.py"))  # the code came from the Hub repo
+    with torch.no_grad():
+        expected = load_cca_model(out, "cpu")(PROBE, use_cache=False).logits
+    torch.testing.assert_close(torch.load(logits), expected, rtol=0, atol=1e-5)
+
+    # `cca-convert validate REPO`: the report goes to --output, the Hub cache is left alone
+    assert main(["validate", "user/tiny-cca", "--output", str(tmp_path / "val"), "--device", "cpu"]) == 0
+    report = json.loads((tmp_path / "val" / "validation" / "report.json").read_text())
+    assert report["model"]["name"] == "user/tiny-cca" and report["context_lengths"] == [64, 128, 256]
+    pushed = json.loads(remote["validation/report.json"])
+    assert report["results"]["cca"]["perplexity"]["256"]["ppl"] == pushed["results"]["cca"]["perplexity"]["256"]["ppl"]
+
+
+def test_push_refuses_a_folder_that_failed_its_gates(tmp_path, hub_server, capsys):
+    recipe = seed_base(hub_server, tmp_path)
+    bad = ["--set", "validate.max_ppl_ratio=0.5"]
+    # during a conversion: the failed gate stops the run before export and upload
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(tmp_path / "a"), "--push-to-hub", "user/a",
+                 *bad]) == 2
+    assert "validation gates failed: max_ppl_ratio" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and "user/a" not in hub_server.hub.repos
+
+    out = tmp_path / "b"
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(out), "--force", *bad]) == 0
+    assert json.loads((out / "validation" / "report.json").read_text())["passed"] is False
+    capsys.readouterr()
+    assert main(["push", str(out), "user/b"]) == 2
+    err = capsys.readouterr().err
+    assert "failed its validation gates (max_ppl_ratio @ 64" in err and "--force" in err
+    assert "user/b" not in hub_server.hub.repos
+    assert main(["push", str(out), "user/b", "--force", "--hub-revision", "dev"]) == 0
+    assert "WARNING: pushing a folder that failed" in capsys.readouterr().out
+    assert "validation/report.json" in hub_server.files("user/b", "dev")
+    assert "FAILED (pushed with --force)" in hub_server.commits("user/b")[-1].title
+
+
+def test_push_needs_a_token(tmp_path, hub_server, monkeypatch, capsys):
+    recipe = seed_base(hub_server, tmp_path)
+    monkeypatch.delenv("HF_TOKEN")
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(tmp_path / "c"), "--push-to-hub", "user/c"]) == 2
+    assert "needs a token with write access" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()  # refused before converting
+
+
+def test_failed_upload_keeps_the_converted_folder(tmp_path, hub_server, capsys):
+    recipe = seed_base(hub_server, tmp_path)
+    out = tmp_path / "d"
+    hub_server.fail_lfs_uploads_after(1)
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(out), "--push-to-hub", "user/d",
+                 "--private"]) == 2
+    err = capsys.readouterr().err
+    assert "interrupted" in err and f"cca-convert push {out} user/d --private" in err
+    assert (out / "validation" / "report.json").is_file()  # committed locally before the upload
+    hub_server.fail_lfs_uploads_after(None)
+    assert main(["push", str(out), "user/d", "--private"]) == 0
+    assert hub_server.hub.repos["user/d"].private and "config.json" in hub_server.files("user/d")
