@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,10 @@ def _baseline_key(job) -> dict:
 
 def stage_baseline(job) -> None:
     """Before the finetune: the base model (same weights, attn_backend full) and the CCA model as converted."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # under `accelerate launch` only rank 0 goes on after the finetune, and validates
+        job.log(f"  rank {rank}: left to rank 0")
+        return
     state = _state(job)
     cache = job.work_dir / "validation-baseline.json"
     if job.resume and cache.is_file():
