@@ -9,6 +9,7 @@ that fails at any stage leaves nothing that looks like a finished repo.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -21,10 +22,18 @@ import torch
 from . import export, roundtrip
 from .convert import build_cca_config
 from .errors import CCAError
+from .finetune import stage_finetune
 from .model_card import build_model_card
 from .publish import stage_push
 from .recipe import Recipe
 from .validate.runner import finetune_enabled, stage_baseline, stage_validate
+
+
+def default_device() -> str:
+    """This process's GPU (``accelerate launch`` sets LOCAL_RANK per process), else the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
 
 
 @dataclass
@@ -40,7 +49,7 @@ class Job:
     private: bool = False
     hub_revision: str | None = None  # branch of push_to_hub
     create_pr: bool = False
-    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    device: str = field(default_factory=default_device)
     log: Callable[[str], None] = print
     # Filled in by the stages.
     config: Any = None
@@ -131,6 +140,7 @@ STAGES: list[Stage] = [
     Stage("load", stage_load),
     # "baseline" measures base and CCA *before* the finetune: a finetune stage goes between it and "validate".
     Stage("baseline", stage_baseline, lambda job: job.recipe.validate.enabled and finetune_enabled(job)),
+    Stage("finetune", stage_finetune, lambda job: job.recipe.finetune.enabled),
     Stage("validate", stage_validate, lambda job: job.recipe.validate.enabled),
     Stage("export", stage_export),
     Stage("roundtrip", stage_roundtrip, lambda job: job.recipe.export.roundtrip),

@@ -15,11 +15,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import recipes as _recipes_pkg
 from .errors import CCAError
+from .finetune.config import FinetuneSection
 from .validate.config import ValidateSection
 
-RECIPES_DIR = Path(_recipes_pkg.__file__).parent
+try:  # installed: pyproject maps recipes/ to cca_convert.recipes
+    from . import recipes as _recipes_pkg
+
+    RECIPES_DIR = Path(_recipes_pkg.__file__).parent
+except ImportError:  # a source checkout on PYTHONPATH, not installed
+    RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Base model families (config.json model_type) and the recipe used when none is given.
 DEFAULT_RECIPES = {"llama": "llama-3.1-8b.yaml", "qwen2": "qwen2.5-7b.yaml"}
 
@@ -46,6 +51,7 @@ class ExportSection(Section):
 
 class Recipe(Section):
     cca: CCASection = CCASection()
+    finetune: FinetuneSection = FinetuneSection()
     export: ExportSection = ExportSection()
     validate: ValidateSection = ValidateSection()
 
