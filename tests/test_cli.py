@@ -72,26 +72,28 @@ def test_export_is_a_complete_repo(base, recipe, tmp_path):
 
 LOADER = textwrap.dedent("""
     import importlib.abc, sys, torch
+    folder, out, overrides, blocked = sys.argv[1], sys.argv[2], eval(sys.argv[3]), sys.argv[4].split(",")
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "cca_convert":
-                raise ImportError("blocked")
+            if name.split(".")[0] in blocked:
+                raise ImportError(f"No module named {name!r}")
     sys.meta_path.insert(0, Block())
     from transformers import AutoModelForCausalLM
-    folder, out, overrides = sys.argv[1], sys.argv[2], eval(sys.argv[3])
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **overrides).eval()
     ids = torch.arange(60).remainder(96)[None]
     with torch.no_grad():
-        torch.save({"logits": model(ids, use_cache=False).logits, "g": model.config.group_size,
-                    "s": model.config.local_window, "module": type(model).__module__}, out)
+        logits = model(ids, use_cache=False).logits
+        generated = model.generate(ids[:, :20], max_new_tokens=30, do_sample=False)
+        torch.save({"logits": logits, "g": model.config.group_size, "s": model.config.local_window,
+                    "module": type(model).__module__, "generated": generated}, out)
 """)
 
 
-def load_in_clean_process(folder: Path, tmp_path: Path, **overrides) -> dict:
+def load_in_clean_process(folder: Path, tmp_path: Path, blocked=("cca_convert",), **overrides) -> dict:
     out = tmp_path / f"logits-{len(list(tmp_path.iterdir()))}.pt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    subprocess.run([sys.executable, "-c", LOADER, str(folder), str(out), repr(overrides)],
+    subprocess.run([sys.executable, "-c", LOADER, str(folder), str(out), repr(overrides), ",".join(blocked)],
                    check=True, cwd=tmp_path, env=env, capture_output=True)
     return torch.load(out)
 
@@ -118,6 +120,17 @@ def test_exported_folder_loads_without_cca_convert_and_honours_overrides(base, r
     # Up to the window the override changes nothing; after it, core tokens differ.
     torch.testing.assert_close(overridden["logits"][:, :16], default["logits"][:, :16], atol=1e-5, rtol=0)
     assert (overridden["logits"][:, 30:] - default["logits"][:, 30:]).abs().max() > 1e-4
+
+
+def test_exported_folder_needs_no_triton(base, recipe, tmp_path):
+    """triton is optional for users: without it the model loads, runs and generates on the reference."""
+    out = tmp_path / "out"
+    assert convert(base, recipe, out) == 0
+    with_triton = load_in_clean_process(out, tmp_path)
+    without = load_in_clean_process(out, tmp_path, blocked=("cca_convert", "triton"))
+    torch.testing.assert_close(without["logits"], with_triton["logits"], atol=1e-5, rtol=0)
+    assert without["generated"].shape == (1, 50)
+    assert torch.equal(without["generated"], with_triton["generated"])
 
 
 def test_qwen2_with_bias_converts_and_round_trips(tmp_path, recipe):

@@ -196,8 +196,10 @@ def test_recipe_keys_and_enabled_switch(tmp_path):
     assert "finetune" not in [s.name for s in STAGES if s.enabled(job)]
     with pytest.raises(CCAError, match=r"finetune.method"):
         load_recipe(demo, ["finetune.method=adapters"])
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("cca: {group_size: 4}\n")
     with pytest.raises(CCAError, match=r"needs data"):
-        load_recipe(None, ["finetune.enabled=true"], family="llama")
+        load_recipe(bare, ["finetune.enabled=true"])
 
 
 def test_pipeline_exports_the_finetuned_model(tmp_path, corpus):
