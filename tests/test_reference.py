@@ -40,10 +40,11 @@ def test_reference_matches_naive(seq_len, head_dim, heads, pooling):
 
 
 @pytest.mark.parametrize("pooling", ["kv", "query"])
-@pytest.mark.parametrize("seq_len", [S + G - 1, 3 * S + 5])
-def test_reference_gradients_match_naive(seq_len, pooling):
-    q, k, v, cos, sin = inputs(2, 4, 2, seq_len, 64)
-    grad_out = torch.randn(2, 4, seq_len, 64, dtype=torch.float64)
+@pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4:1", "mha"])
+@pytest.mark.parametrize("seq_len", [G, S + G - 1, 3 * S + 5])
+def test_reference_gradients_match_naive(seq_len, heads, pooling):
+    q, k, v, cos, sin = inputs(2, *heads, seq_len, 80)
+    grad_out = torch.randn(2, heads[0], seq_len, 80, dtype=torch.float64)
 
     def grads(fn, dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
