@@ -19,10 +19,8 @@ Conventions
 
 import argparse
 import csv
-import importlib
 import math
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -33,21 +31,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load(name):
-    try:
-        from cca_convert import published
+sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
+from cca_convert import published  # noqa: E402
 
-        return published.load(name)
-    except ImportError:  # a bare source tree (no editable install): same flat virtual package
-        pkg = "_cca_published_src"
-        if pkg not in sys.modules:
-            sys.modules[pkg] = types.ModuleType(pkg)
-            sys.modules[pkg].__path__ = [str(ROOT / "modeling"), str(ROOT / "kernels")]
-        return importlib.import_module(f"{pkg}.{name}")
-
-
-ref = load("cca_reference")
-tri = load("cca_triton")
+ref = published.load("cca_reference")
+tri = published.load("cca_triton")
 
 
 def score_entries(L, g, s, causal_full=False):

@@ -27,6 +27,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def check_args(group_size: int, local_window: int, pooling: str) -> None:
+    if group_size < 1 or local_window < 1:
+        raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
+    if pooling not in ("kv", "query"):
+        raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
+
+
 def visible_core_count(t: torch.Tensor, group_size: int, local_window: int) -> torch.Tensor:
     """n(t): how many core tokens (oldest groups) the query at position t sees."""
     return torch.div(t + 1 - local_window, group_size, rounding_mode="floor").clamp_min(0)
@@ -67,8 +74,6 @@ def pool_core_tokens(
     logits = torch.einsum("bjrpd,bjpgd->bjrpg", q_last, k_rot_g) * scale
     if pooling == "kv":
         logits = logits.mean(dim=2, keepdim=True)  # one weight vector per KV head, shared by its r queries
-    elif pooling != "query":
-        raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
     weights = logits.softmax(dim=-1)  # (B, Hkv, r or 1, P, g), fp32
 
     k_g = k[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
@@ -94,8 +99,7 @@ def cca_attention_reference(
     scale: float | None = None,
 ) -> torch.Tensor:
     """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``."""
-    if group_size < 1 or local_window < 1:
-        raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
+    check_args(group_size, local_window, pooling)
     bsz, n_heads, seq_len, head_dim = q.shape
     rep = n_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale

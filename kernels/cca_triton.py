@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cca_reference import pool_core_tokens
+from .cca_reference import check_args, pool_core_tokens
 
 _LOG2E = 1.4426950408889634
 
@@ -575,10 +575,7 @@ def cca_attention_triton(
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
     a contiguous last dim; head_dim <= 128 (padded to a power of two inside the kernels).
     """
-    if group_size < 1 or local_window < 1:
-        raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
-    if pooling not in ("kv", "query"):
-        raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
+    check_args(group_size, local_window, pooling)
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     # RoPE (one fused pass) and pooling (torch ops shared with the reference): O(L*d), autograd.

@@ -6,11 +6,7 @@ bf16 tolerance, FlashAttention style: max|tri - ref_fp32| <= 2 * max|ref_bf16 - 
 where ref_bf16 is the reference run on the same inputs cast to bf16.
 """
 
-import importlib
 import os
-import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,17 +21,9 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def _load(name):
-    try:
-        from cca_convert import published
+    from cca_convert import published
 
-        return published.load(name)
-    except ImportError:  # a bare source tree (no editable install): same flat virtual package
-        pkg = "_cca_published_src"
-        if pkg not in sys.modules:
-            root = Path(__file__).resolve().parents[1]
-            sys.modules[pkg] = types.ModuleType(pkg)
-            sys.modules[pkg].__path__ = [str(root / "modeling"), str(root / "kernels")]
-        return importlib.import_module(f"{pkg}.{name}")
+    return published.load(name)
 
 
 ref = _load("cca_reference")

@@ -188,7 +188,7 @@ def markdown(report: dict) -> str:
         f"- passkey: {report['method']['passkey']}",
         f"- speed: {report['method']['speed']}",
         f"- hardware: {hw.get('gpu') or hw['device']} ({hw['cpu_count']} CPUs, {hw['platform']})",
-        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- recipe digest {report['recipe_digest']}, seed {report['validate_recipe']['seed']}, "
         f"created {report['created']}",
         "",

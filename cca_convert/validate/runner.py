@@ -202,7 +202,7 @@ def stage_validate(job) -> None:
         base_note=f"{job.source} as converted, before any finetune, run with its own causal attention "
                   "(the same weights with attn_backend=full)",
     )
-    folder = report_mod.write(report, job.staging)
+    report_mod.write(report, job.staging)
     job.card_extra = (job.card_extra + "\n" if job.card_extra else "") + card_section(report)
     job.card_data["model_name"] = job.output.name
     job.card_data["eval_results"] = report_mod.eval_results(report)
