@@ -12,6 +12,7 @@ run therefore sees exactly the sequences the interrupted one would have seen nex
 
 from __future__ import annotations
 
+import abc
 import glob
 import itertools
 from collections.abc import Iterator
@@ -138,7 +139,7 @@ class Tokenize:
         return [x + [self.eos] if not x or x[-1] != self.eos else x for x in ids]
 
 
-class SequenceSource:
+class SequenceSource(abc.ABC):
     """Common part: turning a stream of sequences into per-rank micro-batches."""
 
     def __init__(self, ft: FinetuneSection, pad_id: int, rank: int = 0, world: int = 1):
@@ -158,8 +159,9 @@ class SequenceSource:
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
+    @abc.abstractmethod
     def batches(self, start_micro: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        raise NotImplementedError
+        """Micro-batches in training order, from micro-batch ``start_micro`` on (for --resume)."""
 
 
 class InMemorySequences(SequenceSource):
