@@ -71,7 +71,9 @@ class Job:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.config.dtype if isinstance(self.config.dtype, torch.dtype) else getattr(torch, self.config.dtype)
+        """The export dtype: the recipe's, else the base config's, else float32 (configs may omit it)."""
+        dtype = self.config.dtype or "float32"
+        return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
 
 def stage_convert(job: Job) -> None:
