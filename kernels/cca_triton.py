@@ -41,6 +41,26 @@ def _stacked_rows(t0, chunk, n_stack, L, BLOCK_M: tl.constexpr, HP: tl.constexpr
 
 
 @triton.jit
+def _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr):
+    """This program's query tile (forward and dq): batch, core head c, KV head j, positions [t0, t1],
+    and per row its query head hq, position t and validity ok."""
+    # 1-D grid, heads fastest and the longest (last) position blocks first: better tail balance.
+    pid = tl.program_id(0)
+    n_hb = tl.num_programs(0) // tl.cdiv(L, BMP)  # batch x core heads x head chunks
+    hb = pid % n_hb
+    blk = tl.cdiv(L, BMP) - 1 - pid // n_hb
+    b = hb // (n_core * n_chunks)
+    c = (hb // n_chunks) % n_core
+    chunk = hb % n_chunks
+    j = (c * n_stack) // n_rep  # KV head of the raw keys
+    t0 = blk * BMP
+    t1 = tl.minimum(t0 + BMP, L) - 1
+    head, t, ok = _stacked_rows(t0, chunk, n_stack, L, BLOCK_M, HP, BMP)
+    hq = (c * n_stack + head).to(tl.int64)  # query head of each row
+    return b.to(tl.int64), c, j, t0, t1, hq, t, ok
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, n_cols, valid, qk_scale,
               MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
@@ -103,21 +123,7 @@ def _fwd_kernel(Q, K, V, KC, VC, O, LSE,
                 L, P, G, S, n_heads, n_core, n_stack, n_rep, n_chunks, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
-    # 1-D grid, heads fastest and the longest (last) position blocks first: better tail balance.
-    pid = tl.program_id(0)
-    n_hb = tl.num_programs(0) // tl.cdiv(L, BMP)  # batch x core heads x head chunks
-    hb = pid % n_hb
-    blk = tl.cdiv(L, BMP) - 1 - pid // n_hb
-    b = hb // (n_core * n_chunks)
-    c = (hb // n_chunks) % n_core
-    chunk = hb % n_chunks
-    j = (c * n_stack) // n_rep  # KV head of the raw keys
-
-    t0 = blk * BMP
-    t1 = tl.minimum(t0 + BMP, L) - 1
-    head, t, ok = _stacked_rows(t0, chunk, n_stack, L, BLOCK_M, HP, BMP)
-    hq = (c * n_stack + head).to(tl.int64)  # query head of each row
-    b64 = b.to(tl.int64)
+    b64, c, j, t0, t1, hq, t, ok = _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M, HP, BMP)
     d = tl.arange(0, BLOCK_D)
     dmask = d[None, :] < HEAD_DIM
     q = tl.load(Q + b64 * s_qb + hq[:, None] * s_qh + t[:, None] * s_ql + d[None, :], mask=ok[:, None] & dmask, other=0.0)
@@ -176,20 +182,7 @@ def _dq_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, DQ,
                L, P, G, S, n_heads, n_core, n_stack, n_rep, n_chunks, qk_scale, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    n_hb = tl.num_programs(0) // tl.cdiv(L, BMP)  # batch x core heads x head chunks
-    hb = pid % n_hb
-    blk = tl.cdiv(L, BMP) - 1 - pid // n_hb
-    b = hb // (n_core * n_chunks)
-    c = (hb // n_chunks) % n_core
-    chunk = hb % n_chunks
-    j = (c * n_stack) // n_rep
-
-    t0 = blk * BMP
-    t1 = tl.minimum(t0 + BMP, L) - 1
-    head, t, ok = _stacked_rows(t0, chunk, n_stack, L, BLOCK_M, HP, BMP)
-    hq = (c * n_stack + head).to(tl.int64)
-    b64 = b.to(tl.int64)
+    b64, c, j, t0, t1, hq, t, ok = _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M, HP, BMP)
     d = tl.arange(0, BLOCK_D)
     rmask = ok[:, None] & (d[None, :] < HEAD_DIM)
     q = tl.load(Q + b64 * s_qb + hq[:, None] * s_qh + t[:, None] * s_ql + d[None, :], mask=rmask, other=0.0)
