@@ -36,6 +36,7 @@ from cca_convert import published  # noqa: E402
 
 ref = published.load("cca_reference")
 tri = published.load("cca_triton")
+pool = published.load("cca_pool_triton")
 
 
 def score_entries(L, g, s, causal_full=False):
@@ -107,11 +108,12 @@ def sweep(L, args, q, k, v, do, cos, sin):
     table = tri._CONFIGS["hopper"]
     total = {}
     for pooling in args.pooling:
-        prep = lambda: ref.pool_core_tokens(*(tri._RopeFn.apply(x, cos, sin) for x in (q, k)), k, v, cos, sin, g, pooling)
-        ms = triton.testing.do_bench(prep, warmup=10, rep=50, return_mode="median")
-        print(f"sweep L={L} {pooling:5s} rope+pool forward: {ms:8.3f} ms", flush=True)
         q_rot, k_rot = tri._RopeFn.apply(q, cos, sin), tri._RopeFn.apply(k, cos, sin)
-        kc, vc = ref.pool_core_tokens(q_rot, k_rot, k, v, cos, sin, g, pooling, scale)
+        for name, fn in (("rope", lambda: (tri._RopeFn.apply(q, cos, sin), tri._RopeFn.apply(k, cos, sin))),
+                         ("pool", lambda: pool.pool_forward(q_rot, k_rot, k, v, cos, sin, g, pooling, scale))):
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            print(f"sweep L={L} {pooling:5s} {name} forward: {ms:8.3f} ms", flush=True)
+        kc, vc = pool.pool_forward(q_rot, k_rot, k, v, cos, sin, g, pooling, scale)
         dims = tri._Dims(q_rot, k_rot, kc, g, s, scale)
         o, lse = tri._forward(q_rot, k_rot, v, kc, vc, dims)
         for kind, configs in candidates.items():

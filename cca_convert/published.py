@@ -29,6 +29,7 @@ PUBLISHED_FILES = {
     "cache_cca.py": MODELING_DIR,
     "cca_reference.py": KERNELS_DIR,
     "cca_triton.py": KERNELS_DIR,
+    "cca_pool_triton.py": KERNELS_DIR,
     "cca_decode_triton.py": KERNELS_DIR,
 }
 

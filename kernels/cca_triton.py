@@ -1,11 +1,12 @@
 """Triton kernels for Core Context Aware (CCA) attention: prefill and training.
 
 Same semantics and signature as ``cca_attention_reference`` (see CCA-SPEC.md), in O(L*d) memory.
-RoPE is one fused Triton pass (torch's version was ~half the forward time at 32K); the pooling is
-the reference's own O(L*d) torch code (autograd for free). The attention itself (core tokens ++
-local raw keys, ONE online softmax, FlashAttention-2 style, logsumexp saved) is a fused
-``autograd.Function``: a forward kernel, a dq kernel, and one dk/dv kernel each for the raw keys
-(a key block only meets the ~s+g queries of its window) and the core tokens.
+RoPE is one fused Triton pass (torch's version was ~half the forward time at 32K). Pooling and
+attention form one ``autograd.Function``: the pooling kernels of ``cca_pool_triton``, then the
+attention (core tokens ++ local raw keys, ONE online softmax, FlashAttention-2 style, logsumexp
+saved) as a forward kernel, a dq kernel, and one dk/dv kernel each for the raw keys (a key block
+only meets the ~s+g queries of its window) and the core tokens; the pooling's backward adds its
+share into those gradients.
 
 GQA is native: a program owns one *core head* and stacks several of its query heads as rows of one
 tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has one core head per KV
@@ -16,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .cca_reference import check_args, pool_core_tokens
+from .cca_pool_triton import pool_backward, pool_forward
+from .cca_reference import check_args
 
 _LOG2E = 1.4426950408889634
 
@@ -432,13 +434,18 @@ _CONFIGS = {
         "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2)},
     },
     "interpret": {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (32, 16, 4, 1)},
+    # fp32 inputs (tests, exactness checks) double every tile's shared memory: the bf16 tiles above
+    # would ask for up to 288 KB on Hopper. Speed does not matter here, fitting does.
+    "fp32": {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1), "dkdv": (32, 32, 4, 1)},
 }
 _MIN_ROWS_PER_HEAD = 16  # stack at most BLOCK_M // 16 query heads per tile
 
 
-def _config(kind: str, block_d: int, device: torch.device):
+def _config(kind: str, block_d: int, device: torch.device, dtype: torch.dtype):
     if device.type != "cuda":
         return _CONFIGS["interpret"][kind]
+    if dtype == torch.float32:
+        return _CONFIGS["fp32"][kind]
     arch = "hopper" if torch.cuda.get_device_capability(device)[0] >= 9 else "ampere"
     return _CONFIGS[arch][kind][64 if block_d <= 64 else 128]
 
@@ -473,7 +480,7 @@ class _Dims:
 def _forward(q, k, v, kc, vc, dims):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
-    bm, bn, warps, stages = _config("fwd", dims.block_d, q.device)
+    bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
     _fwd_kernel[grid](
@@ -496,7 +503,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
     dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
 
-    bm, bn, warps, stages = _config("dq", dims.block_d, q.device)
+    bm, bn, warps, stages = _config("dq", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     _dq_kernel[(B * dims.C * n_chunks * triton.cdiv(L, bmp),)](
         q, k, v, kc, vc, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(kc),
@@ -505,7 +512,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
         BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
     )
 
-    bm, bn, warps, stages = _config("dkdv", dims.block_d, q.device)
+    bm, bn, warps, stages = _config("dkdv", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.rep, bm)
     _dkdv_raw_kernel[(B * dims.Hkv * triton.cdiv(L, bn),)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
@@ -514,7 +521,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
     )
 
     if dims.P == 0:
-        return dq, dk, dv, torch.zeros_like(kc), torch.zeros_like(vc)
+        return dq, dk, dv, kc.float(), vc.float()
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     n_blocks = B * dims.C * triton.cdiv(dims.P, bn)
     if q.is_cuda:  # enough programs for ~4 waves; each split still gets >= 16 row blocks
@@ -529,26 +536,30 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
         L, dims.P, dims.G, dims.S, H, dims.C, dims.n_stack, n_chunks, n_split, dims.qk_scale, dims.sm_scale,
         BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
     )
-    return dq, dk, dv, dkc.sum(0).to(kc.dtype), dvc.sum(0).to(vc.dtype)
+    return dq, dk, dv, dkc.sum(0), dvc.sum(0)  # core grads stay fp32 for the pooling backward
 
 
 class _CCAAttentionFn(torch.autograd.Function):
-    """Fused CCA attention on rotated inputs: (q_rot, k_rot, v, k_core, v_core) -> out."""
+    """Pooling + fused CCA attention: (q_rot, k_rot, k, v) -> out, ``k`` pre-RoPE (it is what is pooled)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kc, vc, group_size, local_window, scale):
-        q, k, v, kc, vc = (_last_dim_contiguous(x) for x in (q, k, v, kc, vc))
-        dims = _Dims(q, k, kc, group_size, local_window, scale)
-        o, lse = _forward(q, k, v, kc, vc, dims)
-        ctx.save_for_backward(q, k, v, kc, vc, o, lse)
-        ctx.dims = dims
+    def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale):
+        q, k_rot, k, v = (_last_dim_contiguous(x) for x in (q, k_rot, k, v))
+        cos, sin = cos.contiguous(), sin.contiguous()
+        kc, vc = pool_forward(q, k_rot, k, v, cos, sin, group_size, pooling, scale)
+        dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
+        o, lse = _forward(q, k_rot, v, kc, vc, dims)
+        ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
+        ctx.dims, ctx.pooling = dims, pooling
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, kc, vc, o, lse = ctx.saved_tensors
-        grads = _backward(_last_dim_contiguous(do), q, k, v, kc, vc, o, lse, ctx.dims)
-        return (*grads, None, None, None)
+        q, k_rot, k, v, cos, sin, kc, vc, o, lse = ctx.saved_tensors
+        dims = ctx.dims
+        dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims)
+        dk = pool_backward(dkc, dvc, q, k_rot, k, v, cos, sin, dq, dk_rot, dv, dims.G, ctx.pooling, dims.sm_scale)
+        return dq, dk_rot, dk, dv, None, None, None, None, None, None
 
 
 def cca_attention_triton(
@@ -566,12 +577,10 @@ def cca_attention_triton(
 
     ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d) or (B, L, d).
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
-    a contiguous last dim; head_dim <= 128 (padded to a power of two inside the kernels).
+    a contiguous last dim; even head_dim <= 128 (padded to a power of two inside the kernels).
     """
     check_args(group_size, local_window, pooling)
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
-    # RoPE (one fused pass) and pooling (torch ops shared with the reference): O(L*d), autograd.
     q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
-    k_core, v_core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
-    return _CCAAttentionFn.apply(q_rot, k_rot, v, k_core, v_core, group_size, local_window, scale)
+    return _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)

@@ -109,6 +109,40 @@ def test_small_configs(B, H, Hkv, L, d, g, s, pooling):
     check(B, H, Hkv, L, d, g, s, pooling, torch.float32, seed=L + g)
 
 
+pool = _load("cca_pool_triton")
+
+
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize(
+    "B,H,Hkv,L,d,g",
+    [
+        pytest.param(2, 4, 1, 23, 80, 5, id="g5-hd80"),  # half head dim 40 padded to 64; L % g != 0
+        pytest.param(1, 6, 2, 70, 64, 33, id="g33-r3"),  # group padded to 64 rows, r not a power of two
+        pytest.param(1, 2, 2, 9, 64, 1, id="g1"),
+    ],
+)
+def test_pooling_kernels_match_reference(B, H, Hkv, L, d, g, pooling):
+    """The pooling kernels alone vs ``pool_core_tokens``: core tokens, and the gradients the backward
+    adds into dq_rot / dk_rot / dv plus the one it returns for the pre-RoPE k."""
+    q, k, v, _, cos, sin = make_inputs(B, H, Hkv, L, d, seed=g, per_seq_rope=True)
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    scale = 0.3
+    leaves = [x.detach().clone().requires_grad_() for x in (q_rot, k_rot, k, v)]
+    want_kc, want_vc = ref.pool_core_tokens(*leaves, cos, sin, g, pooling, scale)
+    dkc, dvc = torch.randn_like(want_kc), torch.randn_like(want_vc)
+    want_grads = torch.autograd.grad((want_kc * dkc).sum() + (want_vc * dvc).sum(), leaves)
+
+    kc, vc = pool.pool_forward(q_rot, k_rot, k, v, cos, sin, g, pooling, scale)
+    torch.testing.assert_close(kc, want_kc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vc, want_vc, atol=1e-5, rtol=1e-5)
+    base = [torch.randn_like(x) for x in (q_rot, k_rot, v)]  # the attention's share, which must be kept
+    dq, dk_rot, dv = (x.clone() for x in base)
+    dk = pool.pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, g, pooling, scale)
+    got = (dq - base[0], dk_rot - base[1], dk, dv - base[2])
+    for name, a, b in zip(("dq_rot", "dk_rot", "dk", "dv"), got, (want_grads[0], want_grads[1], want_grads[2], want_grads[3])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_per_sequence_rope_and_strided_inputs():
     check(2, 4, 2, 30, 64, 3, 5, "kv", torch.float32, seed=1, per_seq_rope=True, transposed=True)
 
