@@ -420,18 +420,19 @@ class _RopeFn(torch.autograd.Function):
 # (BLOCK_M stacked query rows, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim.
 # Hopper hd128: the fastest of a sweep on an H200 at L=32K, 32/8 heads (benchmarks/attention.py --sweep);
 # the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles.
+# head_dim 256 (Gemma-style): smaller tiles so that q, k and v tiles fit shared memory, not tuned.
 # Ampere: same tiles, fewer stages (less shared memory). Interpreter (CPU tensors): small tiles so
 # that the tests cross many tile borders.
 _CONFIGS = {
     "hopper": {
-        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
-        "dq": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
-        "dkdv": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3)},
+        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dq": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
     },
     "ampere": {
-        "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)},
-        "dq": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2)},
-        "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2)},
+        "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
+        "dq": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
     },
     "interpret": {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (32, 16, 4, 1)},
     # fp32 inputs (tests, exactness checks) double every tile's shared memory: the bf16 tiles above
@@ -447,7 +448,7 @@ def _config(kind: str, block_d: int, device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return _CONFIGS["fp32"][kind]
     arch = "hopper" if torch.cuda.get_device_capability(device)[0] >= 9 else "ampere"
-    return _CONFIGS[arch][kind][64 if block_d <= 64 else 128]
+    return _CONFIGS[arch][kind][max(64, block_d)]
 
 
 def _stack(n_stack: int, block_m: int):
@@ -577,10 +578,13 @@ def cca_attention_triton(
 
     ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d) or (B, L, d).
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
-    a contiguous last dim; even head_dim <= 128 (padded to a power of two inside the kernels).
+    a contiguous last dim; even head_dim <= 256 (padded to a power of two inside the kernels).
     """
     check_args(group_size, local_window, pooling)
     head_dim = q.shape[-1]
+    if head_dim % 2 or head_dim > 256:
+        raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {head_dim}; "
+                         "use attn_backend='reference' for this model")
     scale = head_dim**-0.5 if scale is None else scale
     q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
     return _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)

@@ -169,6 +169,8 @@ def test_no_grad_and_bad_args():
     torch.testing.assert_close(out, ref.cca_attention_reference(q, k, v, cos, sin, 2, 3), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError):
         tri.cca_attention_triton(q, k, v, cos, sin, 2, 3, pooling="mean")
+    with pytest.raises(ValueError, match="head_dim"):
+        tri.cca_attention_triton(q[..., :63], k[..., :63], v[..., :63], cos[:, :63], sin[:, :63], 2, 3)
     with pytest.raises(ValueError):
         tri.cca_attention_triton(q, k, v, cos, sin, 0, 3)
 
@@ -187,8 +189,9 @@ def test_gpu_lengths(dtype, L, H, Hkv, pooling):
 @pytest.mark.parametrize("pooling", POOLING)
 @pytest.mark.parametrize(
     "dtype,d",
-    [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.bfloat16, 96), (torch.float16, 128), (torch.float32, 80)],
-    ids=["bf16-64", "bf16-80", "bf16-96", "fp16-128", "fp32-80"],
+    [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.bfloat16, 96), (torch.float16, 128), (torch.float32, 80),
+     (torch.bfloat16, 256)],
+    ids=["bf16-64", "bf16-80", "bf16-96", "fp16-128", "fp32-80", "bf16-256"],
 )
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
