@@ -21,7 +21,7 @@ test: $(VENV)/.installed
 
 # The same suite against the oldest versions pyproject.toml admits (those of the GPU image). triton 3.6's
 # CPU interpreter turns loaded scalars into 1-element arrays, which NumPy >= 2.3 refuses as loop bounds.
-OLDEST := transformers==5.17.0 huggingface_hub==1.33.0 triton==3.6.0 peft==0.21.0 safetensors==0.8.0 "numpy<2.3"
+OLDEST := transformers==5.17.0 huggingface_hub==1.33.0 triton==3.6.0 peft==0.21.0 safetensors==0.8.0 'numpy<2.3'
 test-oldest:
 	$(MAKE) test VENV=.venv-oldest TORCH="$(TORCH)" EXTRA_PINS="$(OLDEST)"
 
