@@ -23,6 +23,39 @@ def _load_halves(ptr, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _group_index(P, G, n_kv, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """This program's group p of batch b, KV head j; its rows, and masks for (rows, half) and half tiles."""
+    pid = tl.program_id(0)
+    p = pid % P
+    b = (pid // P // n_kv).to(tl.int64)
+    j = (pid // P % n_kv).to(tl.int64)
+    i = tl.arange(0, BLOCK_H)
+    gi = tl.arange(0, BLOCK_G)
+    row_ok = gi < G
+    return p, b, j, i, p * G + gi, row_ok, row_ok[:, None] & (i[None, :] < HALF), i < HALF
+
+
+@triton.jit
+def _pooling_query(q_row, s_qh, j, h, hm, scale, N_REP: tl.constexpr, KV_POOL: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The query whose logits pool core head c (its h-th), the logits' scale, and c."""
+    if KV_POOL:  # mean of the r heads' logits == logit of the summed query, scaled by 1/r
+        q1 = tl.zeros([BLOCK_H], tl.float32)
+        q2 = tl.zeros([BLOCK_H], tl.float32)
+        for r in tl.static_range(N_REP):
+            a1, a2 = _load_halves(q_row + (j * N_REP + r) * s_qh, hm, HALF)
+            q1 += a1
+            q2 += a2
+        eff = scale / N_REP
+        c = j
+    else:
+        q1, q2 = _load_halves(q_row + (j * N_REP + h) * s_qh, hm, HALF)
+        eff = scale
+        c = j * N_REP + h
+    return q1, q2, eff, c
+
+
+@triton.jit
 def _group_weights(q1, q2, kr1, kr2, row_ok, scale):
     logits = (tl.sum(kr1 * q1[None, :], 1) + tl.sum(kr2 * q2[None, :], 1)) * scale
     logits = tl.where(row_ok, logits, float("-inf"))
@@ -35,38 +68,18 @@ def _pool_fwd_kernel(QR, KR, K, V, COS, SIN, KC, VC,
                      s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_cb, s_cl,
                      P, G, n_kv, n_core, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid = tl.program_id(0)
-    p = pid % P
-    b = (pid // P // n_kv).to(tl.int64)
-    j = (pid // P % n_kv).to(tl.int64)
-    gi = tl.arange(0, BLOCK_G)
-    i = tl.arange(0, BLOCK_H)
-    row_ok = gi < G
-    rows = p * G + gi
-    m2 = row_ok[:, None] & (i[None, :] < HALF)
+    p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
     kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
     k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
     v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
-    hm = i < HALF
-    mid = p * G + G // 2
-    c1, c2 = _load_halves(COS + b * s_cb + mid * s_cl + i, hm, HALF)
-    s1, s2 = _load_halves(SIN + b * s_cb + mid * s_cl + i, hm, HALF)
-    q_row = QR + b * s_qb + (p * G + G - 1) * s_ql + i
+    mid = (p * G + G // 2) * s_cl + b * s_cb
+    c1, c2 = _load_halves(COS + mid + i, hm, HALF)
+    s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
+    q_row = QR + b * s_qb + (p * G + G - 1) * s_ql + i  # each head's last query of the group
 
     for h in tl.static_range(1 if KV_POOL else N_REP):  # unrolled: the heads are independent
-        if KV_POOL:  # mean of the r heads' logits == logit of the summed query, scaled by 1/r
-            q1 = tl.zeros([BLOCK_H], tl.float32)
-            q2 = tl.zeros([BLOCK_H], tl.float32)
-            for r in tl.static_range(N_REP):
-                a1, a2 = _load_halves(q_row + (j * N_REP + r) * s_qh, hm, HALF)
-                q1 += a1
-                q2 += a2
-            w = _group_weights(q1, q2, kr1, kr2, row_ok, scale / N_REP)
-            c = j
-        else:
-            q1, q2 = _load_halves(q_row + (j * N_REP + h) * s_qh, hm, HALF)
-            w = _group_weights(q1, q2, kr1, kr2, row_ok, scale)
-            c = j * N_REP + h
+        q1, q2, eff, c = _pooling_query(q_row, s_qh, j, h, hm, scale, N_REP, KV_POOL, HALF, BLOCK_H)
+        w = _group_weights(q1, q2, kr1, kr2, row_ok, eff)
         kp1 = tl.sum(w[:, None] * k1, 0)
         kp2 = tl.sum(w[:, None] * k2, 0)
         out = ((b * n_core + c) * P + p) * (2 * HALF) + i
@@ -83,22 +96,13 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
                      s_db, s_dh, s_dl,  # dk_rot, dk and dv (same shape, contiguous)
                      P, G, n_kv, n_core, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid = tl.program_id(0)
-    p = pid % P
-    b = (pid // P // n_kv).to(tl.int64)
-    j = (pid // P % n_kv).to(tl.int64)
-    gi = tl.arange(0, BLOCK_G)
-    i = tl.arange(0, BLOCK_H)
-    row_ok = gi < G
-    rows = p * G + gi
-    m2 = row_ok[:, None] & (i[None, :] < HALF)
+    p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
     kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
     k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
     v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
-    hm = i < HALF
-    mid = p * G + G // 2
-    c1, c2 = _load_halves(COS + b * s_cb + mid * s_cl + i, hm, HALF)
-    s1, s2 = _load_halves(SIN + b * s_cb + mid * s_cl + i, hm, HALF)
+    mid = (p * G + G // 2) * s_cl + b * s_cb
+    c1, c2 = _load_halves(COS + mid + i, hm, HALF)
+    s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
     last = p * G + G - 1
     q_row = QR + b * s_qb + last * s_ql + i
     dq_row = DQ + b * s_gb + last * s_gl + i
@@ -110,19 +114,7 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
     dr1 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
     dr2 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
     for h in tl.static_range(1 if KV_POOL else N_REP):  # unrolled: the heads are independent
-        if KV_POOL:
-            q1 = tl.zeros([BLOCK_H], tl.float32)
-            q2 = tl.zeros([BLOCK_H], tl.float32)
-            for r in tl.static_range(N_REP):
-                a1, a2 = _load_halves(q_row + (j * N_REP + r) * s_qh, hm, HALF)
-                q1 += a1
-                q2 += a2
-            eff = scale / N_REP
-            c = j
-        else:
-            q1, q2 = _load_halves(q_row + (j * N_REP + h) * s_qh, hm, HALF)
-            eff = scale
-            c = j * N_REP + h
+        q1, q2, eff, c = _pooling_query(q_row, s_qh, j, h, hm, scale, N_REP, KV_POOL, HALF, BLOCK_H)
         w = _group_weights(q1, q2, kr1, kr2, row_ok, eff)
         core = ((b * n_core + c) * P + p) * (2 * HALF) + i
         g1, g2 = _load_halves(DKC + core, hm, HALF)  # d loss / d k_core (after RoPE)
