@@ -199,6 +199,21 @@ def _first_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 # Upload
 # ----------------------------------------------------------------------------------------------------------------------
+def check_push_target(repo_id: str, *, revision: str | None, create_pr: bool, revision_flag: str = "--revision") -> None:
+    """What a push needs before any upload: online, a valid repo id, consistent options, a token.
+    Run by `push_folder`, and by the CLI before a long conversion that ends in a push."""
+    if _offline():
+        raise CCAError("HF_HUB_OFFLINE is set: unset it to push to the Hub")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise CCAError(f"{repo_id!r} is not a valid Hub repo id (like 'your-name/model-cca')") from None
+    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
+        raise CCAError(f"a pull request is always opened against main: drop {revision_flag} {revision} or --create-pr")
+    if not huggingface_hub.get_token():
+        raise CCAError(f"pushing to the Hub needs a token with write access: {LOGIN_HINT}")
+
+
 def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
@@ -215,16 +230,7 @@ def push_folder(
     folder = Path(folder)
     if not folder.is_dir():
         raise CCAError(f"no such folder to push: {folder}")
-    if _offline():
-        raise CCAError("HF_HUB_OFFLINE is set: unset it to push to the Hub")
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise CCAError(f"{repo_id!r} is not a valid Hub repo id (like 'your-name/model-cca')") from None
-    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise CCAError(f"a pull request is always opened against main: drop --revision {revision} or --create-pr")
-    if not huggingface_hub.get_token():
-        raise CCAError(f"pushing to the Hub needs a token with write access: {LOGIN_HINT}")
+    check_push_target(repo_id, revision=revision, create_pr=create_pr)
 
     api = HfApi()  # created now: picks up the current HF_ENDPOINT
     step = "create the repo"

@@ -35,24 +35,13 @@ def check_report(folder: Path, force: bool, log=print) -> dict | None:
 
 
 def preflight(repo_id: str, *, revision: str | None, create_pr: bool) -> None:
-    """Checks that need no upload, run before a long conversion: repo id, options, offline mode, a token."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    from .hub import LOGIN_HINT
+    """``--push-to-hub`` checks that need no upload, run before a long conversion."""
+    from .hub import check_push_target
 
     try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise CCAError(f"--push-to-hub: {repo_id!r} is not a valid Hub repo id (like 'your-name/model-cca')") from None
-    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise CCAError(f"a pull request is always opened against main: drop --hub-revision {revision} or --create-pr")
-    if constants.HF_HUB_OFFLINE:
-        raise CCAError("--push-to-hub: HF_HUB_OFFLINE is set: unset it to push to the Hub")
-    if not huggingface_hub.get_token():
-        raise CCAError(f"--push-to-hub needs a token with write access: {LOGIN_HINT}")
+        check_push_target(repo_id, revision=revision, create_pr=create_pr, revision_flag="--hub-revision")
+    except CCAError as exc:
+        raise CCAError(f"--push-to-hub: {exc}") from None
 
 
 def _commit_message(folder: Path, report: dict | None) -> str:
