@@ -36,6 +36,16 @@ def _group_index(P, G, n_kv, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, HALF:
 
 
 @triton.jit
+def _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                 HALF: tl.constexpr):
+    """The group's rotated keys, pre-RoPE keys and values, each as two (rows, half) fp32 tiles."""
+    kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
+    k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
+    v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
+    return kr1, kr2, k1, k2, v1, v2
+
+
+@triton.jit
 def _pooling_query(q_row, s_qh, j, h, hm, scale, N_REP: tl.constexpr, KV_POOL: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """The query whose logits pool core head c (its h-th), the logits' scale, and c."""
@@ -69,10 +79,9 @@ def _pool_fwd_kernel(QR, KR, K, V, COS, SIN, KC, VC,
                      P, G, n_kv, n_core, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
-    kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
-    k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
-    v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
-    mid = (p * G + G // 2) * s_cl + b * s_cb
+    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
+                                            s_vb, s_vh, s_vl, HALF)
+    mid = (p * G + G // 2) * s_cl + b * s_cb  # the core token's RoPE position
     c1, c2 = _load_halves(COS + mid + i, hm, HALF)
     s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
     q_row = QR + b * s_qb + (p * G + G - 1) * s_ql + i  # each head's last query of the group
@@ -97,10 +106,9 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
                      P, G, n_kv, n_core, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
-    kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
-    k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
-    v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
-    mid = (p * G + G // 2) * s_cl + b * s_cb
+    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
+                                            s_vb, s_vh, s_vl, HALF)
+    mid = (p * G + G // 2) * s_cl + b * s_cb  # the core token's RoPE position
     c1, c2 = _load_halves(COS + mid + i, hm, HALF)
     s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
     last = p * G + G - 1
