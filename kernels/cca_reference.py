@@ -97,15 +97,18 @@ def cca_attention_reference(
     local_window: int,
     pooling: str = "kv",
     scale: float | None = None,
-) -> torch.Tensor:
-    """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``."""
+    return_core: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``; with
+    ``return_core`` also the pooled ``(K_core, V_core)`` of ``pool_core_tokens`` (what a KV cache keeps)."""
     check_args(group_size, local_window, pooling)
     bsz, n_heads, seq_len, head_dim = q.shape
     rep = n_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
 
     q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_core, v_core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
+    core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
+    k_core, v_core = core
     if k_core.shape[1] != n_heads:  # pooling "kv": each core token serves its r query heads
         k_core, v_core = k_core.repeat_interleave(rep, 1), v_core.repeat_interleave(rep, 1)
     k_raw, v_raw = k_rot.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -124,5 +127,5 @@ def cca_attention_reference(
         dim=-1,
     )
     probs = scores.softmax(dim=-1)  # one softmax over core tokens ++ local keys
-    out = probs @ torch.cat((v_core, v_raw), dim=2).float()
-    return out.to(q.dtype)
+    out = (probs @ torch.cat((v_core, v_raw), dim=2).float()).to(q.dtype)
+    return (out, *core) if return_core else out

@@ -541,7 +541,8 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
 
 
 class _CCAAttentionFn(torch.autograd.Function):
-    """Pooling + fused CCA attention: (q_rot, k_rot, k, v) -> out, ``k`` pre-RoPE (it is what is pooled)."""
+    """Pooling + fused CCA attention: (q_rot, k_rot, k, v) -> (out, k_core, v_core), ``k`` pre-RoPE (it is
+    what is pooled)."""
 
     @staticmethod
     def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale):
@@ -552,10 +553,11 @@ class _CCAAttentionFn(torch.autograd.Function):
         o, lse = _forward(q, k_rot, v, kc, vc, dims)
         ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
         ctx.dims, ctx.pooling = dims, pooling
-        return o
+        ctx.mark_non_differentiable(kc, vc)  # returned for KV caches only
+        return o, kc, vc
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, _dkc, _dvc):
         q, k_rot, k, v, cos, sin, kc, vc, o, lse = ctx.saved_tensors
         dims = ctx.dims
         dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims)
@@ -573,7 +575,8 @@ def cca_attention_triton(
     local_window: int,
     pooling: str = "kv",
     scale: float | None = None,
-) -> torch.Tensor:
+    return_core: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
     ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d) or (B, L, d).
@@ -587,4 +590,5 @@ def cca_attention_triton(
                          "use attn_backend='reference' for this model")
     scale = head_dim**-0.5 if scale is None else scale
     q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
-    return _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)
+    out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)
+    return (out, k_core, v_core) if return_core else out

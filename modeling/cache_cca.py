@@ -192,14 +192,14 @@ class CCALayerCache(CacheLayerMixin):
         if n_pad is not None:  # real tokens first, as in the no-cache path
             q, k, v = (shift_rows(x, n_pad, 2) for x in (q, k, v))
             cos, sin = (shift_rows(x, n_pad, 1) for x in (cos, sin))
-        out = cca_attention(q, k, v, cos, sin, cfg, scale)
+        out, self.core_k, self.core_v = cca_attention(q, k, v, cos, sin, cfg, scale, return_core=True)
         if n_pad is not None:
             out = shift_rows(out, seq_len - n_pad, 2)
 
         seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=q.device)
-        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.core_k, self.core_v = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, g, cfg.pooling, scale)
-        self.win_k, self.win_v = _ring_gather(k_rot, seen, window), _ring_gather(v, seen, window)
+        # Only the window's keys are kept rotated: rotate those rows, not the whole prompt again.
+        cos_w, sin_w = (_ring_gather(x[:, None], seen, window) for x in (cos, sin))
+        self.win_k, self.win_v = apply_rope(_ring_gather(k, seen, window), cos_w, sin_w), _ring_gather(v, seen, window)
         self.grp_k = _ring_gather(k, seen, g)
         mid = ((seen // g) * g + g // 2).clamp(max=seq_len - 1)[:, None]  # current group's middle (if seen)
         self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]

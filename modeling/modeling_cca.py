@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .cache_cca import CCACache
-from .cca_reference import apply_rope, cca_attention_reference
+from .cca_reference import apply_rope, cca_attention_reference, pool_core_tokens
 from .configuration_cca import CCAConfig
 
 try:
@@ -28,8 +28,9 @@ except ImportError:  # triton is optional: CPU-only installs use the reference
     cca_attention_triton = None
 
 
-def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float) -> torch.Tensor:
-    """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend."""
+def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float, return_core: bool = False):
+    """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend. With ``return_core``
+    also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention."""
     use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and q.is_cuda)
     if use_triton and cca_attention_triton is None:
         if config.attn_backend == "triton":
@@ -37,10 +38,13 @@ def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float) -> torch.T
         use_triton = False
     if use_triton and q.shape[2] <= config.local_window:
         # No query is past the window: CCA is exactly causal attention (spec), and SDPA is faster.
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return full_causal_attention(q, k, v, None, scale)
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = full_causal_attention(q_rot, k_rot, v, None, scale)
+        if not return_core:
+            return out
+        return out, *pool_core_tokens(q_rot, k_rot, k, v, cos, sin, config.group_size, config.pooling, scale)
     attend = cca_attention_triton if use_triton else cca_attention_reference
-    return attend(q, k, v, cos, sin, config.group_size, config.local_window, config.pooling, scale)
+    return attend(q, k, v, cos, sin, config.group_size, config.local_window, config.pooling, scale, return_core)
 
 
 def left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -143,6 +143,17 @@ def test_pooling_kernels_match_reference(B, H, Hkv, L, d, g, pooling):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("pooling", POOLING)
+def test_return_core_gives_the_pooled_tokens(pooling):
+    """What a KV cache keeps after prefill: the same core tokens as the reference, with the same output."""
+    q, k, v, _, cos, sin = make_inputs(2, 4, 2, 27, 64, seed=5)
+    out, kc, vc = tri.cca_attention_triton(q, k, v, cos, sin, 4, 6, pooling, return_core=True)
+    want_out, want_kc, want_vc = ref.cca_attention_reference(q, k, v, cos, sin, 4, 6, pooling, return_core=True)
+    for got, want in ((out, want_out), (kc, want_kc), (vc, want_vc)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert kc.shape == (2, 4 if pooling == "query" else 2, 27 // 4, 64)
+
+
 def test_per_sequence_rope_and_strided_inputs():
     check(2, 4, 2, 30, 64, 3, 5, "kv", torch.float32, seed=1, per_seq_rope=True, transposed=True)
 
