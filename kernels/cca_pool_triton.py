@@ -173,8 +173,12 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _table_strides(cos):
-    return (cos.stride(0) if cos.dim() == 3 else 0), cos.stride(-2)  # (L, d) tables are shared by the batch
+def table_strides(cos):
+    """(batch, position) strides of a rotary table shaped (L, d), (1, L, d) or (B, L, d). A table shared by
+    the batch gets batch stride 0: transformers' rotary embedding returns (1, L, d) for one row of
+    position ids, and reading it with its own stride(0) at b > 0 runs past its end."""
+    shared = cos.dim() == 2 or cos.shape[0] == 1
+    return (0 if shared else cos.stride(0)), cos.stride(-2)
 
 
 def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale):
@@ -187,7 +191,7 @@ def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale):
     if meta["P"]:
         _pool_fwd_kernel[(B * meta["n_kv"] * meta["P"],)](
             q_rot, k_rot, k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v),
-            *_table_strides(cos), scale=scale, **meta,
+            *table_strides(cos), scale=scale, **meta,
         )
     return kc, vc
 
@@ -201,7 +205,7 @@ def pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, group_
     if meta["P"]:
         _pool_bwd_kernel[(q_rot.shape[0] * meta["n_kv"] * meta["P"],)](
             q_rot, k_rot, k, v, cos, sin, dkc, dvc, dq, dk_rot, dk, dv,
-            *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v), *_table_strides(cos),
+            *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v), *table_strides(cos),
             *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
         )
     return dk

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cca_pool_triton import pool_backward, pool_forward
+from .cca_pool_triton import pool_backward, pool_forward, table_strides
 from .cca_reference import check_args
 
 _LOG2E = 1.4426950408889634
@@ -392,9 +392,8 @@ def _rope_kernel(X, COS, SIN, Y, s_xb, s_xh, s_xl, s_cb, s_cl, s_yb, s_yh, s_yl,
 def _rope_launch(x, cos, sin, inverse):
     B, H, L, D = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cb = cos.stride(0) if cos.dim() == 3 else 0  # (L, d) tables are shared by the batch
     grid = (B * H, triton.cdiv(L, 64))
-    _rope_kernel[grid](x, cos, sin, y, *_strides(x), cb, cos.stride(-2), *_strides(y), L, H,
+    _rope_kernel[grid](x, cos, sin, y, *_strides(x), *table_strides(cos), *_strides(y), L, H,
                        INVERSE=inverse, HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), BLOCK_L=64)
     return y
 
@@ -579,7 +578,7 @@ def cca_attention_triton(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
-    ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d) or (B, L, d).
+    ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d), (1, L, d) or (B, L, d).
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
     a contiguous last dim; even head_dim <= 256 (padded to a power of two inside the kernels).
     """
@@ -588,6 +587,8 @@ def cca_attention_triton(
     if head_dim % 2 or head_dim > 256:
         raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {head_dim}; "
                          "use attn_backend='reference' for this model")
+    if cos.shape[-2:] != (q.shape[2], head_dim) or (cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0])):
+        raise ValueError(f"cos/sin must be (L, d), (1, L, d) or (B, L, d) for q {tuple(q.shape)}, got {tuple(cos.shape)}")
     scale = head_dim**-0.5 if scale is None else scale
     q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
     out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)

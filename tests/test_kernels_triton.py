@@ -41,7 +41,7 @@ def rope_tables(L, d, batch=None, device=DEVICE):
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def make_inputs(B, H, Hkv, L, d, seed, per_seq_rope=False, transposed=False):
+def make_inputs(B, H, Hkv, L, d, seed, per_seq_rope=False, transposed=False, batch1_rope=False):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, L, d, generator=gen)
     k = torch.randn(B, Hkv, L, d, generator=gen)
@@ -50,6 +50,8 @@ def make_inputs(B, H, Hkv, L, d, seed, per_seq_rope=False, transposed=False):
     if transposed:  # (B, L, heads, d) storage viewed as (B, heads, L, d), as models produce it
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     cos, sin = rope_tables(L, d, B if per_seq_rope else None, device="cpu")
+    if batch1_rope:  # (1, L, d): what transformers' rotary embedding returns for one row of position ids
+        cos, sin = cos[None], sin[None]
     return [x.to(DEVICE) for x in (q, k, v, do, cos, sin)]
 
 
@@ -156,6 +158,12 @@ def test_return_core_gives_the_pooled_tokens(pooling):
 
 def test_per_sequence_rope_and_strided_inputs():
     check(2, 4, 2, 30, 64, 3, 5, "kv", torch.float32, seed=1, per_seq_rope=True, transposed=True)
+
+
+@pytest.mark.parametrize("pooling", ["kv", "query"])
+def test_batch_broadcast_rope_table(pooling):
+    # (1, L, d) tables at batch 3: the batch dim broadcasts (the model's training path passes exactly this).
+    check(3, 4, 2, 30, 32, 4, 5, pooling, torch.float32, seed=2, batch1_rope=True, transposed=True)
 
 
 @pytest.mark.parametrize("pooling", POOLING)
