@@ -84,11 +84,21 @@ def stage_convert(job: Job) -> None:
             f"heads, head_dim {c.head_dim}; CCA g={c.group_size} s={c.local_window} pooling={c.pooling}")
 
 
+def check_finite_weights(model, where: str) -> None:
+    """Refuse a checkpoint holding NaN/inf: it would poison every later number (ppl nan, loss nan...)."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CCAError(f"{where}: weight {name} holds {bad} non-finite value(s) (NaN or inf): the checkpoint is "
+                           "corrupt or was saved after a diverged training run; nothing was converted")
+
+
 def stage_load(job: Job) -> None:
     from . import published
 
     model_cls = published.load("modeling_cca").CCAForCausalLM
     job.model = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype).to(job.device)
+    check_finite_weights(job.model, str(job.base_dir))
     job.log(f"  {sum(p.numel() for p in job.model.parameters()) / 1e6:.1f}M parameters, {job.dtype}, on {job.device}")
 
 

@@ -219,3 +219,17 @@ def test_cli_without_source_exits_non_zero():
     assert proc.stderr.strip().splitlines() == [
         "error: the following arguments are required: SOURCE (see `cca-convert --help`)"
     ]
+
+
+def test_nan_base_is_refused_at_load_naming_the_tensor(base, recipe, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    shard = next(base.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert convert(base, recipe, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading progress bar
+    assert err.startswith("error: ") and name in err and "non-finite" in err
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

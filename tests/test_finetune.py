@@ -238,3 +238,22 @@ def test_pipeline_exports_the_finetuned_model(tmp_path, corpus):
     assert "## Finetuning" in (tmp_path / "ft" / "README.md").read_text()
     assert not (tmp_path / "plain" / "finetune").exists()
     assert not (tmp_path / ".ft.work").exists()  # checkpoints removed after success
+
+
+def test_non_finite_loss_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    job = make_job(tmp_path, corpus, method="qkv", checkpoint_every=2, steps=6)
+    layer = job.model.model.layers[0].mlp.down_proj
+
+    def poison(step, record):  # from step 3 on, the model computes NaN (as a broken kernel would)
+        if step == 2:
+            with torch.no_grad():
+                layer.weight.fill_(float("nan"))
+
+    with pytest.raises(CCAError) as err:
+        stage_finetune(job, on_step=poison)
+    msg = str(err.value)
+    assert "finetune stopped at step 3" in msg and "not finite" in msg and "attn_backend" in msg
+    assert "step 2" in msg  # the checkpoint of step 2 is named and kept
+    state = json.loads((job.work_dir / "finetune" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2 and not state.get("finished")
+    assert not (job.staging / "finetune").exists()

@@ -312,3 +312,17 @@ def test_validate_command_on_exported_folder(tmp_path, base_dir, texts, capsys):
     assert with_base["results"]["base"]["perplexity"]["256"]["ppl"] == pytest.approx(
         first["results"]["base"]["perplexity"]["256"]["ppl"], rel=1e-5)
     assert main(["validate", str(base_dir)]) == 2  # not a CCA model
+
+
+def test_non_finite_perplexity_fails_whatever_the_gates(tmp_path, base_dir, texts):
+    from cca_convert.validate.runner import Suite
+    from transformers import AutoTokenizer
+
+    section = ValidateSection(data={"files": [str(texts[0])]}, context_lengths=[32], windows=1,
+                              passkey_trials=0, speed=False, max_ppl_ratio=None)
+    suite = Suite(section, AutoTokenizer.from_pretrained(base_dir), None, log=lambda m: None)
+    model = cca_model_from(tiny_base_model(vocab_size=128), group_size=4, local_window=8)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("inf"))
+    with pytest.raises(CCAError, match=r"perplexity @ 32 is not finite"):
+        suite.measure(model, None, "CCA")

@@ -383,24 +383,26 @@ def stage_finetune(job, on_step=None) -> None:
                         loss = model(**batch).loss
                         acc.backward(loss / ga)
                     losses.append(loss.detach().float())
-                grad_norm = acc.clip_grad_norm_(params, ft.max_grad_norm) if ft.max_grad_norm > 0 else None
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-
+                # max_norm inf measures the norm without clipping: it is checked below either way.
+                grad_norm = float(acc.clip_grad_norm_(params, ft.max_grad_norm or math.inf))
                 loss_t = torch.stack(losses).mean()
                 tok_t = torch.tensor([n_tok], device=acc.device, dtype=torch.float64)
                 if world > 1:
                     loss_t, tok_t = acc.reduce(loss_t, "mean"), acc.reduce(tok_t, "sum")
                 loss_v, step_tokens = loss_t.item(), int(tok_t.item())
+                if not (math.isfinite(loss_v) and math.isfinite(grad_norm)):  # before the update: weights stay good
+                    raise _non_finite(job, step + 1, loss_v, grad_norm, ckpts)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
                 dt = time.perf_counter() - t0
                 tokens_total += step_tokens
                 first_loss = loss_v if first_loss is None else first_loss
                 last_loss = loss_v
                 record = {"step": step, "loss": loss_v, "lr": lr,
-                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "grad_norm": grad_norm,
                           "tokens": step_tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
                 if step % ft.log_every == 0 or step == ft.steps:
                     metrics.log(record)
@@ -422,6 +424,18 @@ def stage_finetune(job, on_step=None) -> None:
     finally:
         if world == 1:  # let a later stage (or test) build a fresh Accelerator with other settings
             AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoints) -> CCAError:
+    backend = job.config.attn_backend
+    if backend == "auto":
+        backend = "auto (triton)" if str(job.device).startswith("cuda") else "auto (reference)"
+    last = ckpts.latest()
+    kept = (f"the last good checkpoint (step {ckpts.read_state(last)['step']}) is kept in {last}" if last
+            else "no checkpoint had been written yet")
+    return CCAError(f"finetune stopped at step {step}: loss {loss} / gradient norm {grad_norm} is not finite "
+                    f"(attn_backend {backend}); {kept} and nothing was exported. Try a lower finetune.learning_rate, "
+                    "or --set cca.attn_backend=reference to rule out a kernel fault")
 
 
 def _agree(acc, flag: bool) -> bool:

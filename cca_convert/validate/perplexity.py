@@ -104,4 +104,5 @@ def perplexity(model, stream: torch.Tensor, length: int, windows: int, stride: i
             nll, n = window_nll(model, batch)
             total, count = total + nll, count + n
     mean = total / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": len(offsets), "offsets": offsets}
+    ppl = math.exp(mean) if mean < 700 else math.inf  # nan stays nan; exp() of a huge mean would raise
+    return {"ppl": ppl, "nll": mean, "tokens": count, "windows": len(offsets), "offsets": offsets}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,11 @@ class Suite:
         with attention_backend(model, backend):
             for length in s.context_lengths:
                 ppl = perplexity(model, self.stream, length, s.windows, s.stride, s.batch_size)
+                if not math.isfinite(ppl["ppl"]):  # whatever the gates say: no gate can judge a nan
+                    used = backend or getattr(model.config, "attn_backend", "auto")
+                    raise CCAError(f"validation failed: the {label} perplexity @ {length} is not finite "
+                                   f"({ppl['ppl']}, attn_backend={used}); nothing was exported. Check the weights and "
+                                   "the finetune log, or try --set cca.attn_backend=reference to rule out a kernel fault")
                 out["perplexity"][str(length)] = ppl
                 msg = (f"    {label:<20} @ {length:>6}: ppl {ppl['ppl']:.3f} "
                        f"({ppl['windows']} windows, {ppl['tokens']} tokens)")
