@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of PyTorch; on a GPU machine point this at your CUDA build (e.g. TORCH=torch).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-oldest clean
+.PHONY: demo test test-oldest test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,14 @@ test: $(VENV)/.installed
 OLDEST := transformers==5.17.0 huggingface_hub==1.33.0 triton==3.6.0 peft==0.21.0 safetensors==0.8.0 'numpy<2.3'
 test-oldest:
 	$(MAKE) test VENV=.venv-oldest TORCH="$(TORCH)" EXTRA_PINS="$(OLDEST)"
+
+# On a CUDA machine, in the Python that has the CUDA build of torch (no virtualenv: GPU images ship their own
+# torch): every gpu-marked test (kernels, model-level training parity, decode), then the quick fidelity run
+# (CLI, Triton backend, micro-batch 4, real text; trains its 26M base first if out/fidelity-llama is missing).
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
+	$(GPU_PY) benchmarks/fidelity.py --quick
 
 clean:
 	rm -rf $(VENV) .venv-oldest out

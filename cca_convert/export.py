@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from glob import escape as glob_escape
 from pathlib import Path
 
 import torch
@@ -43,6 +44,16 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise CCAError(f"output folder {output} exists and is not empty; pass --overwrite or choose another --output")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 class Staging:
     """A hidden folder beside ``output`` that becomes ``output`` on :meth:`commit`."""
 
@@ -52,9 +63,19 @@ class Staging:
 
     def __enter__(self) -> Staging:
         self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.remove_dead_leftovers()
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir()
         return self
+
+    def remove_dead_leftovers(self) -> None:
+        """Staging/old folders of this output left by runs that were killed (kill -9, power loss): their PID is
+        gone. A live PID's folder is another run's work in progress and is left alone."""
+        for kind in ("partial", "old"):
+            for folder in self.output.parent.glob(f".{glob_escape(self.output.name)}.{kind}-*"):
+                pid = folder.name.rsplit("-", 1)[-1]
+                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def commit(self) -> None:
         old = self.output.parent / f".{self.output.name}.old-{os.getpid()}"

@@ -32,6 +32,10 @@ Reproduce the shipped checkpoint (1 CPU thread; took 20m47s wall on a shared
     OMP_NUM_THREADS=1 python examples/train_tiny_llama.py --threads 1 \
         --output examples/tiny-llama
 
+The larger base of ``benchmarks/fidelity.py`` (26M parameters, GQA 8:2, head_dim 64, context 2048; about
+two minutes on one H100/H200) is the same script with other sizes; the benchmark runs it when its
+checkpoint is missing (see ``FIDELITY_BASE_ARGS`` there).
+
 Only evaluate an existing checkpoint:
 
     python examples/train_tiny_llama.py --eval-only --output examples/tiny-llama
@@ -78,6 +82,9 @@ def parse_args():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, ... (bf16 autocast on either)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-only", action="store_true", help="only evaluate the checkpoint in --output")
     return p.parse_args()
@@ -144,9 +151,9 @@ def build_model(args, tokenizer):
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
+        head_dim=args.head_dim or args.hidden // args.heads,
         hidden_act="silu",
-        max_position_embeddings=2048,
+        max_position_embeddings=args.max_position_embeddings,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
@@ -187,10 +194,10 @@ def train(args, model, train_ids):
         seq = args.seq_len if step >= long_start else args.short_len
         bsz = max(1, args.batch_tokens // seq)
         starts = torch.randint(0, n - seq - 1, (bsz,), generator=gen)
-        batch = torch.stack([train_ids[s:s + seq] for s in starts.tolist()])
+        batch = torch.stack([train_ids[s:s + seq] for s in starts.tolist()]).to(args.device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast_bf16):
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.autocast_bf16):
             logits = model(input_ids=batch).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
@@ -278,21 +285,22 @@ def main():
 
     summary = {}
     if not args.eval_only:
-        model = build_model(args, tokenizer)
+        model = build_model(args, tokenizer).to(args.device)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params:,} parameters", flush=True)
         train_s, tokens_seen = train(args, model, train_ids)
         save_checkpoint(model, out_dir, args.save_dtype)
-        summary.update(train_seconds=round(train_s, 1), train_tokens_seen=tokens_seen,
+        summary.update(train_seconds=round(train_s, 1), train_tokens_seen=tokens_seen, device=args.device,
                        steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                        short_len=args.short_len, seq_len=args.seq_len, long_frac=args.long_frac,
                        autocast_bf16=args.autocast_bf16, save_dtype=args.save_dtype,
                        threads=args.threads, seed=args.seed)
 
     # Evaluate exactly what was saved (reloaded from disk, float32 compute).
-    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
-    ppl, uni_ppl, n_tok = evaluate(model, heldout_ids, train_ids, len(tokenizer), args.seq_len)
+    ppl, uni_ppl, n_tok = evaluate(model, heldout_ids.to(args.device), train_ids.to(args.device), len(tokenizer),
+                                   args.seq_len)
     summary.update(parameters=n_params, heldout_tokens_scored=n_tok, heldout_ppl=round(ppl, 3),
                    unigram_ppl=round(uni_ppl, 3), eval_window=args.seq_len,
                    total_wall_seconds=round(time.time() - t_start, 1))

@@ -233,3 +233,15 @@ def test_nan_base_is_refused_at_load_naming_the_tensor(base, recipe, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading progress bar
     assert err.startswith("error: ") and name in err and "non-finite" in err
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(base, recipe, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a PID that has exited
+    stale = [tmp_path / f".out.partial-{dead_pid}", tmp_path / f".out.old-{dead_pid}"]
+    live = tmp_path / f".out.partial-{os.getppid()}"  # a running process: another run's work in progress
+    for folder in (*stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+    assert convert(base, recipe, tmp_path / "out") == 0
+    assert not any(p.exists() for p in stale) and live.is_dir()

@@ -486,7 +486,8 @@ def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None
         trained = acc.unwrap_model(model, keep_fp32_wrapper=False)
     if ft.method == "lora":
         if ft.lora.save_adapter:
-            trained.save_pretrained(str(job.staging / "adapter"))
+            # Embeddings are never trained here; "auto" would re-read the base config as a CCA config (a warning).
+            trained.save_pretrained(str(job.staging / "adapter"), save_embedding_layers=False)
         trained = trained.merge_and_unload()
     (getattr(trained, "activation_checkpointing_disable", None) or trained.gradient_checkpointing_disable)()
     trained = trained.to(device=job.device, dtype=job.dtype).eval()
