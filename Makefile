@@ -28,6 +28,7 @@ test-oldest:
 # On a CUDA machine, in the Python that has the CUDA build of torch (no virtualenv: GPU images ship their own
 # torch): every gpu-marked test (kernels, model-level training parity, decode), then the quick fidelity run
 # (CLI, Triton backend, micro-batch 4, real text; trains its 26M base first if out/fidelity-llama is missing).
+# With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~5 min on one H100; more workers oversubscribe one GPU.
 GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
