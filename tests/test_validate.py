@@ -198,8 +198,8 @@ def test_heldout_must_not_overlap_finetune_data(tmp_path, texts):
     with pytest.raises(CCAError, match="also the finetune dataset"):
         check_no_overlap(ds, {"enabled": True, "data": {"dataset": "org/books", "split": "test"}})
     assert check_no_overlap(ds, {"enabled": True, "data": {"dataset": "org/books", "split": "train"}})
-    with pytest.raises(Exception, match="either files or dataset"):
-        HeldoutData(files=["a"], dataset="b")
+    with pytest.raises(Exception, match="files: give at least one file"):
+        HeldoutData(files=[])
 
 
 def test_stage_order():
@@ -326,3 +326,61 @@ def test_non_finite_perplexity_fails_whatever_the_gates(tmp_path, base_dir, text
         model.model.norm.weight.fill_(float("inf"))
     with pytest.raises(CCAError, match=r"perplexity @ 32 is not finite"):
         suite.measure(model, None, "CCA")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One data module for the finetune and the validation
+# ----------------------------------------------------------------------------------------------------------------------
+def test_heldout_jsonl_gives_exactly_the_perplexity_of_the_same_documents_as_txt(tmp_path, base_dir):
+    from transformers import AutoTokenizer
+
+    from cca_convert.validate.runner import Suite
+
+    docs = [sample_text(10 + i, 900).rstrip("\n") + ' "quoted" \\ line\nnext line' for i in range(4)]
+    txt_dir = tmp_path / "txt"
+    txt_dir.mkdir()
+    for i, doc in enumerate(docs):  # plain text: one document per file
+        (txt_dir / f"doc{i}.txt").write_text(doc)
+    jsonl = tmp_path / "held.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    parquet_free = tmp_path / "held.json"  # a JSON array file goes through the same builder
+    parquet_free.write_text(json.dumps([{"text": d} for d in docs]))
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = cca_model_from(tiny_base_model(vocab_size=128, max_position_embeddings=1024), group_size=4,
+                           local_window=16)
+    ppl = {}
+    for name, files in {"txt": [str(txt_dir / "doc*.txt")], "jsonl": [str(jsonl)], "json": [str(parquet_free)]}.items():
+        section = ValidateSection(data={"files": files}, context_lengths=[256], windows=3, passkey_trials=0,
+                                  speed=False)
+        suite = Suite(section, tok, None, log=lambda m: None)
+        assert suite.data_info["documents"] == 4
+        ppl[name] = suite.measure(model, None, name)["perplexity"]["256"]
+    assert ppl["txt"]["tokens"] == ppl["jsonl"]["tokens"] == ppl["json"]["tokens"]
+    assert ppl["txt"]["ppl"] == ppl["jsonl"]["ppl"] == ppl["json"]["ppl"]
+    # the JSON quoting is not read as text: the stream is the documents' own characters
+    stream = token_stream(tok, [d for d in docs])
+    assert torch.equal(Suite(ValidateSection(data={"files": [str(jsonl)]}, context_lengths=[256], windows=1,
+                                             passkey_trials=0, speed=False), tok, None, log=lambda m: None).stream,
+                       stream)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"files": ["nope/missing.txt"]}, r"validate.data.files: file not found: nope/missing.txt"),
+    ({"files": ["{tmp}/*.none"]}, r"validate.data.files: no file matches"),
+    ({"files": ["{tmp}/held.jsonl"], "text_field": "content"}, r"validate.data.text_field: .* no column 'content'"),
+    ({"files": ["{tmp}/held.csv"]}, r"cannot tell the format"),
+])
+def test_heldout_data_errors_are_the_finetune_errors_under_their_section(tmp_path, data, message):
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "some text"}) + "\n")
+    (tmp_path / "held.csv").write_text("text\nsome text\n")
+    data = {k: [f.format(tmp=tmp_path) for f in v] if k == "files" else v for k, v in data.items()}
+    from cca_convert.validate.data import load_texts
+
+    with pytest.raises(CCAError, match=message):
+        load_texts(HeldoutData(**data))
+
+
+def test_old_heldout_key_names_still_load():
+    data = HeldoutData.model_validate({"dataset": "org/x", "dataset_config": "en", "text_column": "body"})
+    assert (data.config, data.text_field) == ("en", "body")

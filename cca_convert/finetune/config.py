@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..data import TextSource
+
 # Learning rate used when ``finetune.learning_rate`` is left unset.
 DEFAULT_LR = {"lora": 2e-4, "qkv": 5e-5, "full": 2e-5}
 # Keys that do not change the training trajectory: a run may be resumed with other values.
@@ -24,28 +26,11 @@ class LoraSection(_Section):
     save_adapter: bool = Field(True, description="also ship the unmerged adapter in the output's adapter/ folder")
 
 
-class DataSection(_Section):
-    """A ``datasets`` spec: a Hub dataset (or a loading-script/builder name) and/or local files."""
+class DataSection(TextSource):
+    """The training text (see ``cca_convert.data.TextSource``) and how it is shuffled."""
 
-    dataset: str | None = Field(None, description="Hub dataset id, local dataset folder, or builder (json, parquet, text)")
-    config: str | None = Field(None, description="dataset configuration name (Hub datasets)")
-    revision: str | None = None
-    files: list[str] | None = Field(None, description="local text/jsonl/json/parquet files or globs (relative to the cwd)")
-    format: Literal["auto", "text", "json", "parquet"] = Field("auto", description="local files: auto = by extension")
-    split: str = "train"
-    text_field: str = "text"
-    sample_by: Literal["document", "paragraph", "line"] = Field(
-        "document", description="plain-text files: one document per file, per blank-line paragraph, or per line")
-    split_on: str | None = Field(None, description="also cut every text into documents at this string, e.g. '\\n\\n\\n'")
-    streaming: bool = Field(False, description="stream the dataset instead of tokenizing it all up front")
     shuffle: bool = True
     shuffle_buffer: int = Field(10_000, ge=1, description="streaming: documents in the shuffle buffer")
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if self.files is not None and not self.files:
-            raise ValueError("files: give at least one file (or leave it out and set dataset)")
-        return self
 
 
 class FinetuneSection(_Section):

@@ -13,124 +13,39 @@ run therefore sees exactly the sequences the interrupted one would have seen nex
 from __future__ import annotations
 
 import abc
-import glob
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import data
 from ..errors import CCAError
 from .config import DataSection, FinetuneSection
 
-TEXT_EXT = {".txt", ".text", ".md"}
-JSON_EXT = {".json", ".jsonl", ".ndjson"}
-PARQUET_EXT = {".parquet"}
 IGNORE_INDEX = -100
-
-
-def resolve_files(spec: DataSection) -> list[str]:
-    """Expand ``finetune.data.files`` (globs allowed); every entry must match an existing file."""
-    out = []
-    for pattern in spec.files or []:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        matches = [m for m in matches if Path(m).is_file()]
-        if not matches:
-            what = "no file matches" if glob.has_magic(pattern) else "file not found:"
-            raise CCAError(f"finetune.data.files: {what} {pattern} (relative paths are read from {Path.cwd()})")
-        out.extend(str(Path(m).resolve()) for m in matches)
-    return out
-
-
-def file_format(spec: DataSection, files: list[str]) -> str:
-    if spec.format != "auto":
-        return spec.format
-    kinds = set()
-    for f in files:
-        ext = Path(f).suffix.lower()
-        kind = ("text" if ext in TEXT_EXT else "json" if ext in JSON_EXT else "parquet" if ext in PARQUET_EXT
-                else None)
-        if kind is None:
-            raise CCAError(f"finetune.data.files: cannot tell the format of {f} from its extension; "
-                           "set finetune.data.format (text, json or parquet)")
-        kinds.add(kind)
-    if len(kinds) > 1:
-        raise CCAError(f"finetune.data.files mixes formats ({', '.join(sorted(kinds))}); use one format per run")
-    return kinds.pop()
+SECTION = "finetune.data"
 
 
 def describe(spec: DataSection) -> str:
-    if spec.files:
-        return ", ".join(spec.files)
-    return spec.dataset + (f" ({spec.config})" if spec.config else "") + f" [{spec.split}]"
+    return spec.describe()
 
 
 def load_documents(spec: DataSection):
-    """The ``datasets`` Dataset (or IterableDataset when streaming) of documents. Raises CCAError."""
-    import datasets
-
-    kwargs: dict = dict(split=spec.split, streaming=spec.streaming)
-    if spec.files:
-        files = resolve_files(spec)
-        builder = spec.dataset or file_format(spec, files)
-        kwargs["data_files"] = {spec.split.split("[")[0]: files}
-        if builder == "text":
-            kwargs["sample_by"] = spec.sample_by
-            kwargs["keep_linebreaks"] = True
-        args = (builder,)
-    else:
-        args = (spec.dataset,) + ((spec.config,) if spec.config else ())
-        if spec.revision:
-            kwargs["revision"] = spec.revision
-    datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(*args, **kwargs)
-    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CCAError(f"finetune.data: cannot load {describe(spec)}: {first}") from None
-    except Exception as exc:  # network, parse errors of malformed json/parquet, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CCAError(f"finetune.data: cannot load {describe(spec)}: {type(exc).__name__}: {first}") from None
-    finally:
-        datasets.enable_progress_bars()
-    _check_text_field(ds, spec)
-    return ds
-
-
-def _check_text_field(ds, spec: DataSection) -> None:
-    columns = ds.column_names
-    if columns is None:  # streaming without known features: look at the first row
-        first = next(iter(ds), None)
-        if first is None:
-            raise CCAError(f"finetune.data: {describe(spec)} is empty (no documents)")
-        columns = list(first)
-    elif not spec.streaming and len(ds) == 0:
-        raise CCAError(f"finetune.data: {describe(spec)} is empty (no documents)")
-    if spec.text_field not in columns:
-        raise CCAError(f"finetune.data.text_field: {describe(spec)} has no column {spec.text_field!r} "
-                       f"(columns: {', '.join(columns)})")
+    """The ``datasets`` Dataset (or IterableDataset when streaming) of training documents. Raises CCAError."""
+    return data.load_documents(spec, SECTION)
 
 
 class Tokenize:
     """Documents -> token ids: ``<bos> text <eos>`` (no BOS for tokenizers without one, e.g. Qwen2)."""
 
-    def __init__(self, tokenizer, text_field: str, eos_id: int, split_on: str | None = None):
-        self.tok = tokenizer
-        self.field = text_field
-        self.eos = eos_id
+    def __init__(self, tokenizer, spec: DataSection, eos_id: int):
+        self.tok, self.spec, self.eos = tokenizer, spec, eos_id
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos = bos if bos is not None and bos != eos_id else None
-        self.split_on = split_on
 
     def __call__(self, texts: list) -> list[list[int]]:
-        for t in texts:
-            if t is not None and not isinstance(t, str):
-                raise CCAError(f"finetune.data.text_field: column {self.field!r} holds {type(t).__name__} values, "
-                               "not text")
-        if self.split_on:
-            texts = [part for t in texts if t for part in t.split(self.split_on)]
-        texts = [t for t in texts if t and t.strip()]
+        texts = data.documents(texts, self.spec, SECTION)
         if not texts:
             return []
         ids = self.tok(texts, add_special_tokens=True, verbose=False)["input_ids"]
@@ -255,7 +170,7 @@ class StreamingSequences(SequenceSource):
 
 def build_sequences(ft: FinetuneSection, tokenizer, eos_id: int, pad_id: int, rank=0, world=1, log=print):
     ds = load_documents(ft.data)
-    tokenize = Tokenize(tokenizer, ft.data.text_field, eos_id, ft.data.split_on)
+    tokenize = Tokenize(tokenizer, ft.data, eos_id)
     if ft.data.streaming:
         src = StreamingSequences(ds, tokenize, ft, pad_id, rank, world, log)
     else:

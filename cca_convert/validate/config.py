@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..data import TextSource
 
 # The recipe key is ``validate:``; as a pydantic field it shadows the deprecated ``BaseModel.validate`` classmethod,
 # which nothing here uses (``Recipe.model_validate`` is the v2 name). recipe.py imports this module first.
@@ -15,28 +17,15 @@ class Section(BaseModel):  # same as recipe.Section (not imported from there: re
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class HeldoutData(Section):
-    """Held-out text: local files, or a ``datasets`` dataset (one of the two). It must not overlap the
-    finetune data: the same file (path or content) or the same dataset + config + split is refused."""
+class HeldoutData(TextSource):
+    """Held-out text: the same schema and loader as ``finetune.data`` (``cca_convert.data``): local files
+    (txt, jsonl, json, parquet, globs) or a ``datasets`` id. It must not overlap the finetune data: the same
+    file (path or content) or the same dataset + config + split is refused."""
 
-    files: list[str] = Field(default_factory=list, description="local UTF-8 text files (paths relative to the cwd)")
-    dataset: str | None = Field(None, description="a datasets id, e.g. emozilla/pg19-test (streamed)")
-    dataset_config: str | None = None
     split: str = "test"
-    text_column: str = "text"
-    max_documents: int = Field(64, ge=1, description="datasets rows read at most")
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if self.files and self.dataset:
-            raise ValueError("give either files or dataset, not both")
-        return self
-
-    def describe(self) -> str:
-        if self.dataset:
-            cfg = f"/{self.dataset_config}" if self.dataset_config else ""
-            return f"{self.dataset}{cfg} ({self.split})"
-        return ", ".join(self.files) or "(none)"
+    streaming: bool = Field(True, description="stream the dataset: only the documents needed are read")
+    max_documents: int | None = Field(None, ge=1, description="documents read at most (default: every document of "
+                                                              "local files, 64 of a Hub dataset)")
 
 
 class ValidateSection(Section):

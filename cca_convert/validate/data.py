@@ -10,42 +10,31 @@ from typing import Any
 
 import torch
 
+from ..data import iter_documents, load_documents, resolve_files
 from ..errors import CCAError
 from .config import HeldoutData
 
 
+SECTION = "validate.data"
+HUB_DOCUMENTS = 64  # documents read from a Hub dataset when max_documents is unset
+
+
 def load_texts(data: HeldoutData, max_chars: int | None = None) -> list[str]:
-    """The held-out documents (one per file, or one per dataset row), at most ~``max_chars`` characters."""
-    if data.files:
-        texts = []
-        for name in data.files:
-            path = Path(name).expanduser()
-            if not path.is_file():
-                raise CCAError(f"validate.data.files: no such file: {name} (paths are relative to the current folder)")
-            texts.append(path.read_text(encoding="utf-8", errors="replace"))
-        return texts
-    if data.dataset:
-        try:
-            import datasets
-        except ImportError:
-            raise CCAError("validate.data.dataset needs the `datasets` package (or use validate.data.files)") from None
-        try:
-            rows = datasets.load_dataset(data.dataset, data.dataset_config, split=data.split, streaming=True)
-        except Exception as exc:  # network, missing split, gated dataset...
-            raise CCAError(f"validate.data: could not load dataset {data.describe()}: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-        texts, total = [], 0
-        for i, row in enumerate(rows):
-            if i >= data.max_documents or (max_chars and total >= max_chars):
-                break
-            if data.text_column not in row:
-                raise CCAError(f"validate.data.text_column: {data.dataset} has no column {data.text_column!r} "
-                               f"(columns: {', '.join(row)})")
-            texts.append(str(row[data.text_column]))
-            total += len(texts[-1])
-        return texts
-    raise CCAError("validate.data: give held-out text, e.g. validate.data.files: [heldout.txt] or "
-                   "validate.data.dataset: emozilla/pg19-test (or --set validate.enabled=false)")
+    """The held-out documents, through the same loader and ``text_field`` rule as the finetune data; at most
+    ``max_documents`` of them and about ``max_chars`` characters."""
+    if not data.given:
+        raise CCAError("validate.data: give held-out text, e.g. validate.data.files: [heldout.txt] or "
+                       "validate.data.dataset: emozilla/pg19-test (or --set validate.enabled=false)")
+    limit = data.max_documents or (None if data.files else HUB_DOCUMENTS)
+    texts, total = [], 0
+    for doc in iter_documents(load_documents(data, SECTION), data, SECTION, batch_size=16):
+        if (limit and len(texts) >= limit) or (max_chars and total >= max_chars):
+            break
+        texts.append(doc)
+        total += len(doc)
+    if not texts:
+        raise CCAError(f"{SECTION}: {data.describe()} holds no text in column {data.text_field!r}")
+    return texts
 
 
 def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:
@@ -128,8 +117,8 @@ def check_no_overlap(data: HeldoutData, finetune: dict | None, max_shared_lines:
         ft_by_path = {p.resolve(): p for p in ft_files}
         ft_sha = {_sha(p): p for p in ft_files if p.stat().st_size < 2**30}
         ft_lines: set[str] | None = None
-        for name in data.files:
-            path = Path(name).expanduser()
+        for name in resolve_files(data, SECTION):
+            path = Path(name)
             if path.resolve() in ft_by_path:
                 raise CCAError(f"validate.data.files: {name} is also finetune data: held-out text must not overlap it")
             if path.is_file() and _sha(path) in ft_sha:
@@ -152,7 +141,7 @@ def check_no_overlap(data: HeldoutData, finetune: dict | None, max_shared_lines:
         if same:
             splits = [v for k, v in strings if "split" in k.lower()]
             configs = [v for k, v in strings if "config" in k.lower() or k.lower() in ("name", "subset")]
-            same_config = not configs or data.dataset_config is None or data.dataset_config in configs
+            same_config = not configs or data.config is None or data.config in configs
             if (not splits or data.split in splits) and same_config:
                 raise CCAError(f"validate.data: {data.describe()} is also the finetune dataset (same split"
                                f"{' or split unknown' if not splits else ''}): held-out text must not overlap it")

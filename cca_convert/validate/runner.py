@@ -58,7 +58,7 @@ class Suite:
         s = self.section
         notes = check_no_overlap(s.data, self.finetune)
         longest = max(s.context_lengths)
-        budget = longest * s.windows * 2 if s.data.dataset else None  # tokens; local files are read whole
+        budget = None if s.data.files else longest * s.windows * 2  # tokens; local files are read whole
         texts = load_texts(s.data, max_chars=budget * 8 if budget else None)
         self.stream = token_stream(self.tokenizer, texts, budget)
         for length in s.context_lengths:  # fail now, not after the first model ran
@@ -68,8 +68,9 @@ class Suite:
         self.trials = {n: make_trials(self.tokenizer, n, s.passkey_depths, s.passkey_trials, s.passkey_digits, s.seed)
                        for n in s.context_lengths} if s.passkey_trials else {}
         self.data_info = {
-            "source": s.data.describe(), "files": list(s.data.files), "hub_id": s.data.dataset,
-            "config": s.data.dataset_config, "split": s.data.split if s.data.dataset else None,
+            "source": s.data.describe(), "files": list(s.data.files or []),
+            "hub_id": None if s.data.files else s.data.dataset, "config": s.data.config,
+            "split": None if s.data.files else s.data.split,
             "tokens": int(self.stream.numel()), "documents": len(texts), "overlap": "; ".join(notes),
         }
 
