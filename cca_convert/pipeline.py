@@ -24,6 +24,7 @@ from .convert import build_cca_config
 from .errors import CCAError
 from .finetune import stage_finetune
 from .model_card import build_model_card
+from .preflight import stage_preflight
 from .publish import stage_push
 from .recipe import Recipe
 from .validate.runner import finetune_enabled, stage_baseline, stage_validate
@@ -149,6 +150,7 @@ class Stage:
 
 STAGES: list[Stage] = [
     Stage("convert", stage_convert),
+    Stage("preflight", stage_preflight),  # before any weight is loaded: every problem found at once
     Stage("load", stage_load),
     # "baseline" measures base and CCA *before* the finetune: a finetune stage goes between it and "validate".
     Stage("baseline", stage_baseline, lambda job: job.recipe.validate.enabled and finetune_enabled(job)),

@@ -47,6 +47,7 @@ class ExportSection(Section):
     max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
     roundtrip_tokens: int = Field(64, ge=1, description="prompt length of the export round-trip check")
     roundtrip: bool = True
+    require_tokenizer: bool = Field(True, description="refuse a source without tokenizer files (the card loads one)")
 
 
 class Recipe(Section):

@@ -204,7 +204,7 @@ def test_heldout_must_not_overlap_finetune_data(tmp_path, texts):
 
 def test_stage_order():
     names = [s.name for s in pipeline.STAGES]
-    assert names.index("load") < names.index("baseline") < names.index("validate") < names.index("export")
+    assert names.index("preflight") < names.index("load") < names.index("baseline") < names.index("validate") < names.index("export")
     if "finetune" in names:
         assert names.index("baseline") < names.index("finetune") < names.index("validate")
     assert names[-1] == "push" and pipeline.STAGES[-1].after_commit
@@ -281,7 +281,7 @@ def test_before_and_after_finetune(tmp_path, base_dir, texts, monkeypatch):
     monkeypatch.setattr(pipeline, "STAGES", stages)
     out = tmp_path / "out"
     job = run(base_dir, out, write_recipe(tmp_path, texts[0], passkey_trials=0, speed=False))
-    assert list(job.timings)[:5] == ["convert", "load", "baseline", "finetune", "validate"]
+    assert list(job.timings)[:6] == ["convert", "preflight", "load", "baseline", "finetune", "validate"]
     report = json.loads((out / "validation" / "report.json").read_text())
     assert report["models"] == ["base", "cca_before", "cca_after"] and report["final_model"] == "cca_after"
     r = report["results"]

@@ -150,7 +150,8 @@ def finetune_enabled(job) -> bool:
     return bool(stage is not None and stage.enabled(job))
 
 
-def _state(job) -> _State:
+def prepare(job) -> _State:
+    """The held-out tokens and passkey prompts of this job, read and checked once (preflight calls it first)."""
     if job.validation is None:
         section = job.recipe.validate
         suite = Suite(section, load_tokenizer(job.base_dir), _finetune_dump(job.recipe), job.log)
@@ -170,7 +171,7 @@ def stage_baseline(job) -> None:
     if rank != 0:  # under `accelerate launch` only rank 0 goes on after the finetune, and validates
         job.log(f"  rank {rank}: left to rank 0")
         return
-    state = _state(job)
+    state = prepare(job)
     cache = job.work_dir / "validation-baseline.json"
     if job.resume and cache.is_file():
         saved = json.loads(cache.read_text())
@@ -186,7 +187,7 @@ def stage_baseline(job) -> None:
 
 def stage_validate(job) -> None:
     """After the finetune (if any): the final CCA model, prefill speed, gates, report and model card section."""
-    state = _state(job)
+    state = prepare(job)
     section = job.recipe.validate
     results = state.results
     if "base" not in results:

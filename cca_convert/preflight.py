@@ -1,0 +1,177 @@
+"""Checks that run before any weight is loaded: everything that can be known about a run from its recipe,
+its source files, its data and its output location is checked here, and every problem is reported at
+once (one line each), so that a typo never costs the baseline evaluation of an 8B model first.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from .errors import CCAError
+from .export import TOKENIZER_FILES, base_weight_files
+
+
+class Problems:
+    def __init__(self):
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def check(self, fn, *args) -> None:
+        """Run one check; its CCAError becomes a reported problem, and the other checks still run."""
+        try:
+            fn(*args)
+        except CCAError as exc:
+            self.errors.append(str(exc))
+
+
+def check_cca_ranges(job, problems: Problems) -> None:
+    c, cca = job.config, job.recipe.cca
+    context = c.max_position_embeddings
+    if cca.group_size > context:
+        problems.errors.append(f"cca.group_size={cca.group_size} exceeds the model's context (max_position_embeddings="
+                               f"{context}): no group would ever be pooled; use a group size well below it (e.g. 16)")
+    if cca.local_window > context:
+        problems.warnings.append(f"cca.local_window={cca.local_window} >= the context ({context}): every query sees "
+                                 "all its keys raw, so CCA is plain causal attention here (no saving)")
+    elif cca.local_window < cca.group_size:
+        problems.warnings.append(f"cca.local_window={cca.local_window} < cca.group_size={cca.group_size}: the newest "
+                                 "queries of a group then see fewer than g raw keys (allowed; the paper uses s >= g)")
+    if job.recipe.export.roundtrip and job.recipe.export.roundtrip_tokens > context:
+        problems.errors.append(f"export.roundtrip_tokens={job.recipe.export.roundtrip_tokens} exceeds the context "
+                               f"({context}); lower it")
+    v = job.recipe.validate
+    if v.enabled:
+        beyond = [n for n in v.context_lengths if n > context]
+        if beyond:
+            problems.errors.append(f"validate.context_lengths {beyond} exceed the model's context "
+                                   f"(max_position_embeddings={context}); drop them, or extend the context with "
+                                   "cca.max_position_embeddings (and a finetune)")
+        base_ctx = _base_context(job)
+        if base_ctx and not beyond and any(n > base_ctx for n in v.context_lengths):
+            problems.warnings.append(f"validate.context_lengths go past the base model's own context ({base_ctx}): "
+                                     "its perplexity there is out of its trained range")
+
+
+def _base_context(job) -> int | None:
+    import json
+
+    try:
+        return json.loads((Path(job.base_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+def check_weights(job) -> None:
+    """Every safetensors header parses and every tensor the model needs has the shape the config implies."""
+    from safetensors import SafetensorError, safe_open
+
+    from .export import check_tensor_names
+
+    shapes = {}
+    for path in base_weight_files(Path(job.base_dir)):
+        if not path.is_file():
+            raise CCAError(f"{path}: weight file listed in the index is missing; download the model again")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as exc:
+            raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
+                           "download is truncated or corrupt: download it again") from None
+    check_tensor_names(list(shapes), job.config, str(job.base_dir))
+    c = job.config
+    hd = c.head_dim
+    expected = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.layers.0.self_attn.q_proj.weight": (c.num_attention_heads * hd, c.hidden_size),
+        "model.layers.0.self_attn.k_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
+        "model.layers.0.self_attn.v_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
+        "model.layers.0.self_attn.o_proj.weight": (c.hidden_size, c.num_attention_heads * hd),
+    }
+    for name, shape in expected.items():
+        if name in shapes and shapes[name] != shape:
+            raise CCAError(f"{job.base_dir}: {name} has shape {list(shapes[name])} but config.json implies "
+                           f"{list(shape)}: the weights do not belong to this config")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES if name != "special_tokens_map.json")
+
+
+def check_tokenizer(job) -> None:
+    needs = [name for name, on in (("validation", job.recipe.validate.enabled),
+                                   ("the finetune", job.recipe.finetune.enabled)) if on]
+    if has_tokenizer(Path(job.base_dir)):
+        return
+    if needs:
+        raise CCAError(f"{job.base_dir} has no tokenizer files, which {' and '.join(needs)} need: add them "
+                       "(tokenizer.json, tokenizer_config.json, ...) or turn those stages off")
+    if job.recipe.export.require_tokenizer:
+        raise CCAError(f"{job.base_dir} has no tokenizer files: the published repo could not be used as its model card "
+                       "shows; add them to the source, or --set export.require_tokenizer=false to export without one")
+
+
+def check_finetune_data(job) -> None:
+    ft = job.recipe.finetune
+    if not ft.enabled or not ft.data.files:  # Hub datasets are checked when the stage opens them
+        return
+    from .finetune.data import load_documents
+
+    load_documents(ft.data)
+
+
+def check_validation_data(job) -> None:
+    if not job.recipe.validate.enabled:
+        return
+    from .validate.runner import prepare
+
+    prepare(job)  # reads and tokenizes the held-out text; checks every length has a full window
+
+
+def check_output_space(job) -> None:
+    """The output's parent is writable and has room for the export (weights at the export dtype)."""
+    parent = Path(job.output).resolve().parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise CCAError(f"--output {job.output}: {probe} is a file, not a folder; choose another --output")
+    import os
+
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CCAError(f"--output {job.output}: {probe} is not writable; choose another --output")
+    from safetensors import safe_open
+
+    elements = 0
+    for path in base_weight_files(Path(job.base_dir)):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                n = 1
+                for dim in f.get_slice(name).get_shape():
+                    n *= dim
+                elements += n
+    need = elements * job.dtype.itemsize + 64 * 2**20  # the weights at the export dtype, plus code and card
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise CCAError(f"--output {job.output}: {free / 2**30:.1f} GiB free on its disk, the export needs about "
+                       f"{need / 2**30:.1f} GiB; free space or choose another --output")
+
+
+def stage_preflight(job) -> None:
+    start = time.perf_counter()
+    problems = Problems()
+    check_cca_ranges(job, problems)
+    problems.check(check_weights, job)
+    if not problems.errors:  # sizes come from the weights' headers
+        problems.check(check_output_space, job)
+    for fn in (check_tokenizer, check_finetune_data):
+        problems.check(fn, job)
+    if not problems.errors:  # tokenizing the held-out text is the slow part: only when the rest is sound
+        problems.check(check_validation_data, job)
+    for w in problems.warnings:
+        job.log(f"  warning: {w}")
+    if problems.errors:
+        raise CCAError("\n".join(problems.errors))
+    job.log(f"  recipe, weights, tokenizer, data and output checked in {time.perf_counter() - start:.1f}s")
