@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .errors import CCAError
@@ -93,17 +97,53 @@ COMMANDS["validate"] = _validate
 COMMANDS["push"] = _push
 
 
+def _os_error_line(exc: OSError) -> str:
+    """One line naming the path and the fix for the OS errors users meet (disk full, permissions, a file in the way)."""
+    path = exc.filename or ""
+    what = {
+        errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+        errno.EEXIST: "a file is in the way", errno.ENOTDIR: "a file is in the way (not a folder)",
+        errno.EROFS: "read-only file system", errno.ENOENT: "no such file or folder",
+    }.get(exc.errno, exc.strerror or type(exc).__name__)
+    fix = ("free space, or choose another --output" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "choose another --output or fix the path" if path else "check the paths of the run")
+    return f"{what}{f': {path}' if path else ''}; {fix}. Nothing was written to the output folder"
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt  # same path as Ctrl-C: staging removed, message printed, checkpoint kept
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("CCA_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
     handler = COMMANDS.get(argv[0]) if argv else None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         return handler(argv[1:]) if handler else run_convert(argv)
     except CCAError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"error: {line}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("error: interrupted; nothing was written to the output folder", file=sys.stderr)
+        print("error: interrupted; nothing was written to the output folder (an interrupted finetune resumes "
+              "with --resume)", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if debug:
+            raise
+        print(f"\nerror: {_os_error_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # parse errors of user files (safetensors, JSON...) and bugs: never a bare traceback
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"\nerror: {type(exc).__name__}: {first} (re-run with --debug or CCA_DEBUG=1 for the traceback; "
+              "if the input looks right, please report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

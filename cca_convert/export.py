@@ -44,6 +44,41 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise CCAError(f"output folder {output} exists and is not empty; pass --overwrite or choose another --output")
 
 
+class OutputLock:
+    """``.NAME.lock`` beside the output, held for the whole run: a second run into the same output is refused
+    instead of silently replacing the first one's work. The OS releases it if the process dies."""
+
+    def __init__(self, output: Path):
+        self.output = output.resolve()
+        self.path = self.output.parent / f".{self.output.name}.lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        import fcntl
+
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CCAError(f"another cca-convert run is writing {self.output} (it holds {self.path}); wait for it to "
+                           "finish or choose another --output") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

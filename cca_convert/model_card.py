@@ -37,14 +37,16 @@ core tokens and the local window. No parameters were added: the weights have the
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{repo}")
+# trust_remote_code: the repo's config is custom code (configuration_cca.py); the tokenizer is the base model's.
+tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
 # g and s can be changed at load time without retraining (paper Sec. 4.3):
 # AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, group_size=8, local_window=2048)
 ```
 
-On CUDA the attention runs as a Triton kernel (`pip install triton`); elsewhere a PyTorch reference
-implementation is used. `attn_backend="full"` at load time runs plain causal attention with the same
+Requirements: `transformers>=5.17` and `torch>=2.11` (older transformers cannot load this code);
+`triton` on CUDA only. On CUDA the attention runs as a Triton kernel (`pip install triton`); elsewhere a
+PyTorch reference implementation is used (`attn_backend="triton"` without a GPU is an error that says so). `attn_backend="full"` at load time runs plain causal attention with the same
 weights, for A/B comparisons.
 
 {extra}

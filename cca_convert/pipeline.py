@@ -164,6 +164,11 @@ STAGES: list[Stage] = [
 
 def run_job(job: Job) -> Path:
     """Run every enabled stage; the output folder appears only if all of them pass."""
+    with export.OutputLock(job.output):
+        return _run_stages(job)
+
+
+def _run_stages(job: Job) -> Path:
     export.check_output(job.output, job.overwrite)
     stages = [s for s in STAGES if s.enabled(job)]
     stages = [s for s in stages if not s.after_commit] + [s for s in stages if s.after_commit]

@@ -5,6 +5,7 @@ once (one line each), so that a typo never costs the baseline evaluation of an 8
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -41,6 +42,9 @@ def check_cca_ranges(job, problems: Problems) -> None:
     if job.recipe.export.roundtrip and job.recipe.export.roundtrip_tokens > context:
         problems.errors.append(f"export.roundtrip_tokens={job.recipe.export.roundtrip_tokens} exceeds the context "
                                f"({context}); lower it")
+    if cca.attn_backend == "triton" and not str(job.device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        problems.errors.append("cca.attn_backend=triton needs a CUDA GPU and this run is on the CPU: use auto "
+                               "(Triton on CUDA, the reference elsewhere) or reference")
     v = job.recipe.validate
     if v.enabled:
         beyond = [n for n in v.context_lengths if n > context]
@@ -138,8 +142,6 @@ def check_output_space(job) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise CCAError(f"--output {job.output}: {probe} is a file, not a folder; choose another --output")
-    import os
-
     if not os.access(probe, os.W_OK | os.X_OK):
         raise CCAError(f"--output {job.output}: {probe} is not writable; choose another --output")
     from safetensors import safe_open

@@ -9,6 +9,8 @@ Backends (``config.attn_backend``): ``auto`` uses the Triton kernel on CUDA and 
 elsewhere; ``full`` runs plain causal attention with the same weights, for A/B comparisons.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,9 @@ def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float, return_cor
     """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend. With ``return_core``
     also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention."""
     use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and q.is_cuda)
+    if config.attn_backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attn_backend='triton' needs a CUDA GPU (the model is on the CPU); "
+                         "use attn_backend='auto' or 'reference' there")
     if use_triton and cca_attention_triton is None:
         if config.attn_backend == "triton":
             raise ImportError("attn_backend='triton' needs the `triton` package (pip install triton)")

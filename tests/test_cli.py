@@ -245,3 +245,36 @@ def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(base, recipe, t
         (folder / "model.safetensors").write_bytes(b"x")
     assert convert(base, recipe, tmp_path / "out") == 0
     assert not any(p.exists() for p in stale) and live.is_dir()
+
+
+def test_model_card_snippets_run_as_written_without_prompting(base, recipe, tmp_path):
+    """Every Python snippet of the card, run as a user pastes it (stdin open, offline): no custom-code prompt,
+    no warning about the model type, no error."""
+    import re
+
+    out = tmp_path / "out"
+    assert convert(base, recipe, out) == 0
+    card = (out / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", card, re.S)
+    assert blocks
+    code = "\n".join(blocks).replace(f'"{out.name}"', repr(str(out)))
+    code = re.sub(r"^# (AutoModelForCausalLM\.from_pretrained)", r"\1", code, flags=re.M)  # the commented variant too
+    code += "\nprint('ran', type(tokenizer).__name__, type(model).__name__)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], stdin=subprocess.PIPE, capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ran " in proc.stdout and "CCAForCausalLM" in proc.stdout
+    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+    assert "You are using a model of type" not in proc.stderr
+    assert "transformers>=5.17" in card and "triton" in card
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run would be on the GPU")
+def test_triton_backend_without_a_gpu_is_one_clear_error(base, recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert convert(base, recipe, tmp_path / "out", "--set", "cca.attn_backend=triton") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cca.attn_backend=triton needs a CUDA GPU")
+    assert not (tmp_path / "out").exists()

@@ -384,3 +384,27 @@ def test_heldout_data_errors_are_the_finetune_errors_under_their_section(tmp_pat
 def test_old_heldout_key_names_still_load():
     data = HeldoutData.model_validate({"dataset": "org/x", "dataset_config": "en", "text_column": "body"})
     assert (data.config, data.text_field) == ("en", "body")
+
+
+def test_force_after_a_failed_gate_reuses_the_finished_finetune(tmp_path, base_dir, texts, capsys):
+    """The sequence the gate's message describes: fail -> same command + --force -> exported, no retraining."""
+    data = yaml.safe_load(write_recipe(tmp_path, texts[0], max_ppl_ratio=0.5, passkey_trials=0, speed=False,
+                                       context_lengths=[128]).read_text())
+    data["finetune"] = {"enabled": True, "method": "qkv", "seq_len": 64, "steps": 2, "gradient_accumulation_steps": 1,
+                        "warmup_steps": 0, "checkpoint_every": 0, "data": {"files": [str(texts[1])]}}
+    recipe = tmp_path / "ft.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    cmd = [str(base_dir), "--recipe", str(recipe), "--output", str(out)]
+    assert main(cmd) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: validation gates failed") and "re-run the same command with --force" in err
+    assert not out.exists()
+    metrics = tmp_path / ".out.work" / "finetune" / "metrics.jsonl"
+    before = metrics.read_text()
+
+    assert main(cmd + ["--force"]) == 0
+    printed = capsys.readouterr().out
+    assert "reusing the finished finetune" in printed and "reusing the measurements" in printed
+    assert (out / "finetune" / "metrics.jsonl").read_text() == before  # not trained again
+    assert json.loads((out / "validation" / "report.json").read_text())["forced"] is True

@@ -303,10 +303,13 @@ def stage_finetune(job, on_step=None) -> None:
         root = job.work_dir / "finetune"
         ckpts = Checkpoints(root, acc)
         resume_from = ckpts.latest()
-        if resume_from is not None and not job.resume:
+        finished = resume_from is not None and ckpts.read_state(resume_from).get("finished", False)
+        if resume_from is not None and not job.resume and not finished:
             step = ckpts.read_state(resume_from).get("step")
             raise CCAError(f"an interrupted finetune left a checkpoint (step {step}) in {root}: re-run with --resume "
                            f"to continue it, or delete that folder to start over")
+        if finished:  # e.g. a re-run with --force after a failed gate: the same recipe's training is done
+            log(f"  reusing the finished finetune in {resume_from} (same recipe; delete {root} to train again)")
         if job.resume and resume_from is None:
             log(f"  --resume: no finetune checkpoint in {root}; starting from step 0")
         if resume_from is not None:

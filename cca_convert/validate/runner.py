@@ -173,7 +173,7 @@ def stage_baseline(job) -> None:
         return
     state = prepare(job)
     cache = job.work_dir / "validation-baseline.json"
-    if job.resume and cache.is_file():
+    if cache.is_file():  # an earlier run of the same recipe on the same base (interrupted, or stopped by a gate)
         saved = json.loads(cache.read_text())
         if saved.get("key") == _baseline_key(job):
             state.results.update(saved["results"])
@@ -227,7 +227,8 @@ def stage_validate(job) -> None:
     kept = job.work_dir / "validation"  # the staging folder goes away with the failed run
     report_mod.write(report, job.work_dir)
     raise CCAError(f"validation gates failed: {summary}. Nothing was exported; report in {kept}/report.md. "
-                   "Pass --force to export (and push) anyway, or relax the gates in the recipe's validate: section")
+                   "To export (and push) anyway, re-run the same command with --force (the baseline measurements "
+                   "and the finished finetune are reused), or relax the gates in the recipe's validate: section")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
