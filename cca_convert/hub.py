@@ -199,7 +199,7 @@ def _first_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 # Upload
 # ----------------------------------------------------------------------------------------------------------------------
-def check_push_target(repo_id: str, *, revision: str | None, create_pr: bool, revision_flag: str = "--revision") -> None:
+def check_push_target(repo_id: str, *, revision: str | None, create_pr: bool, revision_flag: str = "--hub-revision") -> None:
     """What a push needs before any upload: online, a valid repo id, consistent options, a token.
     Run by `push_folder`, and by the CLI before a long conversion that ends in a push."""
     if _offline():
@@ -212,6 +212,27 @@ def check_push_target(repo_id: str, *, revision: str | None, create_pr: bool, re
         raise CCAError(f"a pull request is always opened against main: drop {revision_flag} {revision} or --create-pr")
     if not huggingface_hub.get_token():
         raise CCAError(f"pushing to the Hub needs a token with write access: {LOGIN_HINT}")
+    check_write_access(repo_id)
+
+
+def check_write_access(repo_id: str) -> None:
+    """The token is valid (whoami), not read-only, and its account may write to the repo's namespace."""
+    try:
+        me = HfApi().whoami()
+    except Exception as exc:
+        if _is_connection_error(exc):
+            raise _unreachable("check your token", exc) from None
+        if _http_status(exc) == 401:
+            raise CCAError(f"the Hub rejected your token (401): {LOGIN_HINT} with a valid token that can write") from None
+        raise
+    access = (me.get("auth") or {}).get("accessToken") or {}
+    if access.get("role") == "read":
+        raise CCAError(f"your token is read-only: pushing to {repo_id} needs a token with write access ({LOGIN_HINT})")
+    namespace = repo_id.split("/")[0] if "/" in repo_id else me.get("name")
+    accounts = [me.get("name")] + [org.get("name") for org in me.get("orgs") or []]
+    if access.get("role") != "fineGrained" and namespace not in accounts:  # fine-grained scopes are checked on push
+        raise CCAError(f"your token belongs to {me.get('name')!r}, which cannot create or write repos under "
+                       f"{namespace!r} (accounts: {', '.join(a for a in accounts if a)}): push to one of yours")
 
 
 def push_folder(

@@ -129,3 +129,19 @@ def test_failed_upload_keeps_the_converted_folder(tmp_path, hub_server, capsys):
     hub_server.fail_lfs_uploads_after(None)
     assert main(["push", str(out), "user/d", "--private"]) == 0
     assert hub_server.hub.repos["user/d"].private and "config.json" in hub_server.files("user/d")
+
+
+def test_push_preflight_checks_the_token_and_the_namespace_before_any_work(tmp_path, hub_server, monkeypatch, capsys):
+    recipe = seed_base(hub_server, tmp_path)
+    cmd = ["user/tiny", "--recipe", str(recipe), "--output", str(tmp_path / "e")]
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_for_this_test")
+    capsys.readouterr()  # seed_base's own progress output
+    assert main(cmd + ["--push-to-hub", "user/e"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --push-to-hub: the Hub rejected your token (401)") and len(err.splitlines()) == 1
+    assert "hf_wrong_token_for_this_test" not in err
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    assert main(cmd + ["--push-to-hub", "someone-else/e"]) == 2
+    assert "cannot create or write repos under 'someone-else'" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+    assert not any("/resolve/" in r.path for r in hub_server.request_log)  # refused before downloading the base
