@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import signal
@@ -16,6 +17,14 @@ USAGE_EXAMPLES = """examples:
   cca-convert meta-llama/Llama-3.1-8B --output llama-3.1-8b-cca
   cca-convert examples/tiny-llama --recipe recipes/tiny-demo.yaml --output out/tiny-cca
   cca-convert ./my-model --set cca.group_size=8 --set cca.local_window=2048
+
+other commands:
+  cca-convert validate DIR_OR_REPO ...   re-run the validation of an exported model (see validate --help)
+  cca-convert push DIR REPO ...          upload an exported folder to the Hub (see push --help)
+
+exit status: 0 done; 1 validation gates failed (validate) or an internal error; 2 bad input (one
+`error:` line, nothing written); 130 interrupted (Ctrl-C or SIGTERM; a finetune resumes with --resume).
+--debug (or CCA_DEBUG=1) shows the traceback of an error.
 """
 
 
@@ -33,6 +42,7 @@ def convert_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", metavar="SOURCE", help="Hub model id (org/name) or local model folder")
+    p.add_argument("--version", action="version", version=f"cca-convert {_version()}")
     p.add_argument("--recipe", type=Path, help="YAML recipe (default: the shipped recipe of the model's family)")
     p.add_argument("--output", type=Path, help="output folder (default: ./<name>-cca)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -45,6 +55,15 @@ def convert_parser() -> argparse.ArgumentParser:
 
     add_push_options(p)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cca-convert")
+    except PackageNotFoundError:
+        return "(source checkout)"
 
 
 def default_output(source: str) -> Path:
@@ -120,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("CCA_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     handler = COMMANDS.get(argv[0]) if argv else None
+    if argv and handler is None and not argv[0].startswith("-") and not Path(argv[0]).expanduser().exists():
+        near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.75)
+        if near and "/" not in argv[0]:
+            print(f"error: unknown command {argv[0]!r}; did you mean `cca-convert {near[0]}`? "
+                  "(a model SOURCE is a folder or a Hub id like org/name)", file=sys.stderr)
+            return 2
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:

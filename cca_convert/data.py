@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from .errors import CCAError
+from .errors import CCAError, first_line
 
 TEXT_EXT = {".txt", ".text", ".md"}
 JSON_EXT = {".json", ".jsonl", ".ndjson"}
@@ -90,11 +90,6 @@ def file_format(spec: TextSource, files: list[str], section: str) -> str:
     return kinds.pop()
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def load_documents(spec: TextSource, section: str):
     """The ``datasets`` Dataset (IterableDataset when streaming) of documents, its text column checked."""
     import datasets
@@ -115,14 +110,17 @@ def load_documents(spec: TextSource, section: str):
         if spec.revision:
             kwargs["revision"] = spec.revision
     datasets.disable_progress_bars()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors log a traceback; ours is one line
     try:
         ds = datasets.load_dataset(*args, **kwargs)
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
-        raise CCAError(f"{section}: cannot load {spec.describe()}: {_first_line(exc)}") from None
+        raise CCAError(f"{section}: cannot load {spec.describe()}: {first_line(exc)}") from None
     except Exception as exc:  # network, parse errors of malformed json/parquet, ...
-        raise CCAError(f"{section}: cannot load {spec.describe()}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise CCAError(f"{section}: cannot load {spec.describe()}: {type(exc).__name__}: {first_line(exc)}") from None
     finally:
         datasets.enable_progress_bars()
+        datasets.logging.set_verbosity(level)
     _check_text_field(ds, spec, section)
     return ds
 

@@ -10,3 +10,23 @@ class CCAError(Exception):
     """A user-facing error: ``str(err)`` is a single actionable line."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException) -> str:
+    """The first useful line of an exception's message, following ``raise ... from`` causes past generic wrappers
+    (datasets' "An error occurred while generating the dataset" hides "JSON parse error ... in row 0"), and
+    completing a line that ends in ':' with the next one."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    best = ""
+    for e in chain:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if not lines:
+            continue
+        text = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
+        if not best or "error occurred while generating" in best.lower():
+            best = text
+    return best or type(chain[0]).__name__ if chain else ""

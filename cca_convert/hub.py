@@ -138,6 +138,8 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
         err = _download_error(exc, source, revision)
         if err is None:
             raise
+        if str(err).startswith(("could not reach", "HF_HUB_OFFLINE")):  # maybe a folder name without ./
+            err = CCAError(f"{err}; there is no local folder {source!r} either (relative to {Path.cwd()})")
         raise err from exc
 
     folder = Path(folder)

@@ -79,7 +79,6 @@ class Job:
 
 def stage_convert(job: Job) -> None:
     job.config = build_cca_config(job.base_dir, job.recipe)
-    export.check_tensor_names(export.base_tensor_names(job.base_dir), job.config, str(job.base_dir))
     c = job.config
     job.log(f"  {c.base_model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
             f"heads, head_dim {c.head_dim}; CCA g={c.group_size} s={c.local_window} pooling={c.pooling}")

@@ -168,6 +168,10 @@ def stage_preflight(job) -> None:
     problems.check(check_weights, job)
     if not problems.errors:  # sizes come from the weights' headers
         problems.check(check_output_space, job)
+    from .finetune.trainer import check_seq_len
+
+    if job.recipe.finetune.enabled:
+        problems.check(check_seq_len, job)
     for fn in (check_tokenizer, check_finetune_data):
         problems.check(fn, job)
     if not problems.errors:  # tokenizing the held-out text is the slow part: only when the rest is sound

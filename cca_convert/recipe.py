@@ -115,8 +115,11 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         key, sep, raw = pair.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key.strip()):
             raise CCAError(f"--set expects KEY=VALUE with a dotted key, e.g. cca.group_size=8 (got {pair!r})")
+        if not raw.strip():
+            raise CCAError(f"--set {key.strip()}= has no value: give one (e.g. --set cca.group_size=8), "
+                           "or null to unset an optional key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
         out.append((key.strip(), value))

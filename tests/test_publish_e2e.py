@@ -2,6 +2,7 @@
 --push-to-hub -> transformers loads the pushed repo with trust_remote_code in a fresh process -> same logits as the
 local export. And `cca-convert push` refuses a folder whose validation failed its gates unless --force."""
 
+import importlib.util
 import json
 
 import torch
@@ -145,3 +146,40 @@ def test_push_preflight_checks_the_token_and_the_namespace_before_any_work(tmp_p
     assert "cannot create or write repos under 'someone-else'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     assert not any("/resolve/" in r.path for r in hub_server.request_log)  # refused before downloading the base
+
+
+def test_the_token_is_written_nowhere(tmp_path, hub_server, capsys, monkeypatch):
+    """convert (with a finetune, TensorBoard on) + push, validate, push, a failing push and a rejected token: the token
+    appears in no file under the run's folders (output, work folders, reports, card, TensorBoard events, HF_HOME
+    except the client's own token store) and in nothing printed."""
+    recipe = seed_base(hub_server, tmp_path)
+    data = yaml.safe_load(recipe.read_text())
+    (tmp_path / "train.txt").write_text(sample_text(7, 3000))
+    data["finetune"] = {"enabled": True, "method": "lora", "seq_len": 64, "steps": 2, "gradient_accumulation_steps": 1,
+                        "warmup_steps": 0, "checkpoint_every": 1, "tensorboard": True,
+                        "data": {"files": [str(tmp_path / "train.txt")]}}
+    recipe.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "sec"
+    printed = []
+    assert main(["user/tiny", "--recipe", str(recipe), "--output", str(out), "--push-to-hub", "user/sec"]) == 0
+    printed.append(capsys.readouterr())
+    assert main(["validate", str(out), "--device", "cpu"]) == 0
+    printed.append(capsys.readouterr())
+    assert main(["push", str(out), "user/sec2"]) == 0
+    hub_server.fail_lfs_uploads_after(0)
+    assert main(["push", str(out), "user/sec3"]) == 2
+    hub_server.fail_lfs_uploads_after(None)
+    printed.append(capsys.readouterr())
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN + "x")  # a rejected token must not be echoed either
+    assert main(["push", str(out), "user/sec4"]) == 2
+    printed.append(capsys.readouterr())
+
+    secrets = (FAKE_TOKEN.encode(), (FAKE_TOKEN + "x").encode())
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and "stored_tokens" not in p.name and p.name != "token"]
+    assert any(p.suffix == ".safetensors" for p in files)
+    if importlib.util.find_spec("tensorboard") is not None:  # TensorBoard logging is on only when it is installed
+        assert any("tfevents" in p.name for p in files)
+    leaked = [str(p) for p in files if any(s in p.read_bytes() for s in secrets)]
+    assert leaked == []
+    assert not any(s.decode() in c.out + c.err for c in printed for s in secrets)

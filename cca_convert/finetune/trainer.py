@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import CCAError
+from ..errors import CCAError, first_line
 from .config import FinetuneSection
 from .data import build_sequences, describe
 
@@ -60,7 +60,7 @@ def load_tokenizer(job):
         tok = AutoTokenizer.from_pretrained(job.base_dir)
     except (OSError, ValueError) as exc:
         raise CCAError(f"finetune needs the base model's tokenizer, which {job.base_dir} lacks: "
-                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+                       f"{first_line(exc)}") from None
     tok.model_max_length = int(1e30)  # documents are cut into seq_len blocks later; no length warnings
     eos = tok.eos_token_id
     if eos is None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import CCAError
+from ..errors import CCAError, first_line
 from . import gates as gates_mod
 from . import report as report_mod
 from .config import ValidateSection
@@ -36,8 +36,8 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as exc:
         raise CCAError(f"validation needs the model's tokenizer, but {folder} has none that loads "
-                       f"({type(exc).__name__}); add tokenizer files or skip with --set validate.enabled=false"
-                       ) from None
+                       f"({type(exc).__name__}: {first_line(exc)}); add tokenizer files or skip with "
+                       "--set validate.enabled=false") from None
     finally:
         hf_logging.set_verbosity(level)
 
