@@ -98,19 +98,22 @@ class Staging:
 
     def __enter__(self) -> Staging:
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.remove_dead_leftovers()
+        self.removed = self.remove_dead_leftovers()
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir()
         return self
 
-    def remove_dead_leftovers(self) -> None:
+    def remove_dead_leftovers(self) -> list[Path]:
         """Staging/old folders of this output left by runs that were killed (kill -9, power loss): their PID is
-        gone. A live PID's folder is another run's work in progress and is left alone."""
+        gone. A live PID's folder is another run's work in progress and is left alone. Returns what was removed."""
+        removed = []
         for kind in ("partial", "old"):
             for folder in self.output.parent.glob(f".{glob_escape(self.output.name)}.{kind}-*"):
                 pid = folder.name.rsplit("-", 1)[-1]
                 if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
                     shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(folder)
+        return removed
 
     def commit(self) -> None:
         old = self.output.parent / f".{self.output.name}.old-{os.getpid()}"
@@ -118,6 +121,7 @@ class Staging:
             self.output.rename(old)
         self.path.rename(self.output)
         shutil.rmtree(old, ignore_errors=True)
+        self.undeleted = old if old.exists() else None  # e.g. files owned by another user inside the old output
 
     def __exit__(self, *exc) -> None:
         shutil.rmtree(self.path, ignore_errors=True)  # gone after commit; removed on failure

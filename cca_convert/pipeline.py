@@ -180,10 +180,14 @@ def _run_stages(job: Job) -> Path:
 
     with export.Staging(job.output) as staging:
         job.staging = staging.path
+        for folder in staging.removed:
+            job.log(f"  removed {folder.name}, left beside the output by a run that was killed")
         for i, stage in enumerate(stages, 1):
             if not stage.after_commit:
                 run(i, stage)
         staging.commit()
+        if staging.undeleted is not None:
+            job.log(f"  warning: the replaced output could not be deleted completely; remove {staging.undeleted} by hand")
     shutil.rmtree(job.work_dir, ignore_errors=True)
     job.staging = job.output
     for i, stage in enumerate(stages, 1):

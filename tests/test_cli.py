@@ -278,3 +278,31 @@ def test_triton_backend_without_a_gpu_is_one_clear_error(base, recipe, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cca.attn_backend=triton needs a CUDA GPU")
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_is_a_clean_interrupt(base, tmp_path):
+    """SIGTERM mid-run: one message, exit 130, no staging folder or lock left, nothing at the output."""
+    import signal
+    import time
+
+    recipe = write_recipe(tmp_path / "slow.yaml", """\
+        cca: {group_size: 4, local_window: 16}
+        export: {dtype: float32, roundtrip: true, roundtrip_tokens: 50}
+        finetune: {enabled: false}
+        validate: {enabled: false}
+        """)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(recipe),
+                             "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # wait until the staging folder exists (the round trip runs a few seconds)
+        if "roundtrip" in line:
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-1000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        "error: interrupted; nothing was written to the output folder (an interrupted finetune resumes with --resume)"]
+    assert "Traceback" not in err
+    assert not out.exists() and leftovers(tmp_path) == [] and not (tmp_path / ".out.lock").exists()
