@@ -329,6 +329,17 @@ def run_validate(argv: list[str]) -> int:
     recipe = _recipe_for(folder, args, repo_id)
     section = recipe.validate
 
+    config = json.loads((folder / "config.json").read_text())
+    context = config.get("max_position_embeddings")
+    beyond = [n for n in section.context_lengths if context and n > context]
+    if beyond:
+        raise CCAError(f"validate.context_lengths {beyond} exceed the model's context (max_position_embeddings="
+                       f"{context}); drop them with --set validate.context_lengths=[...]")
+    base_ctx = (json.loads((resolve_source(args.base) / "config.json").read_text()).get("max_position_embeddings")
+                if args.base else None)
+    if base_ctx and any(n > base_ctx for n in section.context_lengths):
+        print(f"warning: validate.context_lengths go past the base model's own context ({base_ctx}): its perplexity "
+              "there is out of its trained range")
     tokenizer = load_tokenizer(folder)
     suite = Suite(section, tokenizer, _finetune_dump(recipe), print)
     print(f"held-out: {suite.data_info['source']}, {suite.data_info['tokens']:,} tokens; lengths "
