@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
+        for text, code in (("No space left on device", errno.ENOSPC), ("Permission denied", errno.EACCES)):
+            if text in str(exc):  # e.g. safetensors' own error type when the disk fills up while writing a shard
+                print(f"\nerror: {_os_error_line(OSError(code, text))} ({type(exc).__name__}: {first})", file=sys.stderr)
+                return 2
         print(f"\nerror: {type(exc).__name__}: {first} (re-run with --debug or CCA_DEBUG=1 for the traceback; "
               "if the input looks right, please report it)", file=sys.stderr)
         return 1

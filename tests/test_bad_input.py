@@ -333,3 +333,20 @@ def test_fuzzed_recipe_text_gives_a_clear_error_or_a_recipe(text, tmp_path_facto
         parse_overrides([text])
     except CCAError:
         pass
+
+
+def test_disk_full_while_writing_is_one_line_exit_2(world, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    from cca_convert import export
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" })")
+
+    monkeypatch.setattr(export, "save_file", full)
+    argv = _argv(world / "base", recipe_file(tmp_path, GOOD), tmp_path / "out")
+    assert main(argv) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: no space left on the device") and "--output" in errors[0]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
