@@ -28,18 +28,22 @@ class CCAConfig(LlamaConfig):
     # The architecture this model was converted from ("llama" or "qwen2").
     base_model_type: str = "llama"
 
+    def __setattr__(self, name, value):
+        # Checked on every assignment, not only in __init__: from_pretrained(..., group_size=8) sets the
+        # overrides on the built config, and a typo there must fail at load, not run CCA silently.
+        if name in ("group_size", "local_window"):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CCAConfig.{name} must be an integer >= 1, got {value!r}")
+        elif name == "pooling" and value not in POOLING_MODES:
+            raise ValueError(f"CCAConfig.pooling must be one of {POOLING_MODES}, got {value!r}")
+        elif name == "attn_backend" and value not in ATTN_BACKENDS:
+            raise ValueError(f"CCAConfig.attn_backend must be one of {ATTN_BACKENDS}, got {value!r}")
+        super().__setattr__(name, value)
+
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
-        for name in ("group_size", "local_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"CCAConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.pooling not in POOLING_MODES:
-            raise ValueError(f"CCAConfig.pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"CCAConfig.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 

@@ -306,3 +306,21 @@ def test_sigterm_is_a_clean_interrupt(base, tmp_path):
         "error: interrupted; nothing was written to the output folder (an interrupted finetune resumes with --resume)"]
     assert "Traceback" not in err
     assert not out.exists() and leftovers(tmp_path) == [] and not (tmp_path / ".out.lock").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"attn_backend": "Full"}, r"attn_backend must be one of \('auto', 'triton', 'reference', 'full'\), got 'Full'"),
+    ({"group_size": 2.5}, r"group_size must be an integer >= 1, got 2.5"),
+    ({"group_size": 0}, r"group_size must be an integer >= 1, got 0"),
+    ({"local_window": -1}, r"local_window must be an integer >= 1, got -1"),
+    ({"pooling": "mean"}, r"pooling must be one of \('kv', 'query'\), got 'mean'"),
+])
+def test_bad_load_time_overrides_fail_at_load(base, recipe, tmp_path, override, message):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    assert convert(base, recipe, out) == 0
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, **override)
+    ok = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, group_size=8, attn_backend="full")
+    assert (ok.config.group_size, ok.config.attn_backend) == (8, "full")
