@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from .argparsing import OneLineParser
 from .errors import CCAError
 
 USAGE_EXAMPLES = """examples:
@@ -28,14 +29,8 @@ exit status: 0 done; 1 validation gates failed (validate) or an internal error; 
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's default prints the whole usage)
-        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def convert_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="cca-convert",
         description="Convert a Llama/Qwen2 causal LM to Core Context Aware attention and export a complete Hub repo.",
         epilog=USAGE_EXAMPLES,

@@ -27,7 +27,7 @@ from .model_card import build_model_card
 from .preflight import stage_preflight
 from .publish import stage_push
 from .recipe import Recipe
-from .validate.runner import finetune_enabled, stage_baseline, stage_validate
+from .validate.runner import stage_baseline, stage_validate
 
 
 def default_device() -> str:
@@ -147,12 +147,18 @@ class Stage:
     after_commit: bool = False  # runs on the committed output folder (e.g. push)
 
 
+def stage_enabled(job: Job, name: str) -> bool:
+    """Whether stage ``name`` of the current STAGES list runs for ``job`` (looked up when asked: tests swap stages)."""
+    stage = next((s for s in STAGES if s.name == name), None)
+    return bool(stage is not None and stage.enabled(job))
+
+
 STAGES: list[Stage] = [
     Stage("convert", stage_convert),
     Stage("preflight", stage_preflight),  # before any weight is loaded: every problem found at once
     Stage("load", stage_load),
     # "baseline" measures base and CCA *before* the finetune: a finetune stage goes between it and "validate".
-    Stage("baseline", stage_baseline, lambda job: job.recipe.validate.enabled and finetune_enabled(job)),
+    Stage("baseline", stage_baseline, lambda job: job.recipe.validate.enabled and stage_enabled(job, "finetune")),
     Stage("finetune", stage_finetune, lambda job: job.recipe.finetune.enabled),
     Stage("validate", stage_validate, lambda job: job.recipe.validate.enabled),
     Stage("export", stage_export),

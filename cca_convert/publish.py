@@ -78,9 +78,9 @@ def stage_push(job) -> None:
 
 
 def push_parser() -> argparse.ArgumentParser:
-    from .cli import _Parser
+    from .argparsing import OneLineParser
 
-    p = _Parser(
+    p = OneLineParser(
         prog="cca-convert push",
         description="Upload an exported folder to a Hub model repo (created if missing) in one commit. The token "
                     "comes from HF_TOKEN or `hf auth login`.",

@@ -26,6 +26,7 @@ PACKAGE = "cca_convert._published"
 PUBLISHED_FILES = {
     "configuration_cca.py": MODELING_DIR,
     "modeling_cca.py": MODELING_DIR,
+    "attention_cca.py": MODELING_DIR,
     "cache_cca.py": MODELING_DIR,
     "cca_reference.py": KERNELS_DIR,
     "cca_triton.py": KERNELS_DIR,

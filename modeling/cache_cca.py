@@ -28,6 +28,7 @@ the compressed state; later calls run the decode kernel (one token) or exact tor
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from .attention_cca import cca_attention, left_padding, shift_rows
 from .cca_reference import apply_rope, pool_core_tokens
 
 try:
@@ -181,9 +182,6 @@ class CCALayerCache(CacheLayerMixin):
             self.core_k, self.core_v = torch.cat((self.core_k, z), 2), torch.cat((self.core_v, z), 2)
 
     def _prefill(self, q, k, v, cos, sin, mask, scale):
-        # modeling_cca imports this file: import its no-cache attention lazily (same code as use_cache=False)
-        from .modeling_cca import cca_attention, left_padding, shift_rows
-
         cfg = self.config
         bsz, _, seq_len, _ = q.shape
         g, window = cfg.group_size, cfg.local_window + cfg.group_size - 1

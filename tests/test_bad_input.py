@@ -29,7 +29,7 @@ VALIDATE = {"enabled": True, "context_lengths": [64], "windows": 1, "passkey_tri
 def world(tmp_path_factory):
     """A tiny base with a tokenizer, and data files: built once, copied by the rows that damage them."""
     root = tmp_path_factory.mktemp("bad-input")
-    base = save_base(root / "base", max_position_embeddings=512)
+    save_base(root / "base", max_position_embeddings=512)
     write_text(root / "train.txt", seed=0)
     write_text(root / "held.txt", seed=1)
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 40}) + "\n" for i in range(4)))

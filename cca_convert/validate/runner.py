@@ -143,13 +143,6 @@ def _finetune_dump(recipe) -> dict | None:
     return section.model_dump(mode="json") if section is not None else None
 
 
-def finetune_enabled(job) -> bool:
-    from ..pipeline import STAGES
-
-    stage = next((s for s in STAGES if s.name == "finetune"), None)
-    return bool(stage is not None and stage.enabled(job))
-
-
 def prepare(job) -> _State:
     """The held-out tokens and passkey prompts of this job, read and checked once (preflight calls it first)."""
     if job.validation is None:
@@ -237,9 +230,9 @@ def stage_validate(job) -> None:
 def validate_parser():
     import argparse
 
-    from ..cli import _Parser
+    from ..argparsing import OneLineParser
 
-    p = _Parser(
+    p = OneLineParser(
         prog="cca-convert validate",
         description="Re-run the validation (perplexity, passkey, prefill speed, gates) of an exported CCA folder "
                     "or Hub repo and write validation/report.{json,md} and ppl.png.",
