@@ -6,6 +6,7 @@ import argparse
 import difflib
 import errno
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -87,7 +88,8 @@ def run_convert(argv: list[str]) -> int:
         print(f"recipe: {path.name} (default for {family})")
     job = Job(source=args.source, base_dir=base_dir, output=output, recipe=recipe, overwrite=args.overwrite,
               resume=args.resume, force=args.force, push_to_hub=args.push_to_hub, private=args.private,
-              hub_revision=args.hub_revision, create_pr=args.create_pr)
+              hub_revision=args.hub_revision, create_pr=args.create_pr,
+              command=shlex.join(["cca-convert", *(a for a in argv if a != "--debug")]))
     run_job(job)
     return 0
 
@@ -140,8 +142,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown command {argv[0]!r}; did you mean `cca-convert {near[0]}`? "
                   "(a model SOURCE is a folder or a Hub id like org/name)", file=sys.stderr)
             return 2
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    if previous == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        return _run(handler, argv, debug)
+    finally:
+        if previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(handler, argv: list[str], debug: bool) -> int:
     try:
         return handler(argv[1:]) if handler else run_convert(argv)
     except CCAError as exc:

@@ -51,6 +51,7 @@ class Job:
     hub_revision: str | None = None  # branch of push_to_hub
     create_pr: bool = False
     device: str = field(default_factory=default_device)
+    command: str | None = None  # the command line that started the run, for messages that say how to re-run it
     log: Callable[[str], None] = print
     # Filled in by the stages.
     config: Any = None

@@ -350,3 +350,17 @@ def test_disk_full_while_writing_is_one_line_exit_2(world, tmp_path, capsys, mon
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: no space left on the device") and "--output" in errors[0]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_unwritable_output_parent_is_one_line_exit_2(world, tmp_path, capsys, monkeypatch):
+    """EACCES as a non-root user meets it (root may write anywhere, so the OS error is simulated where it is raised)."""
+    from cca_convert import export
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self.path))
+
+    monkeypatch.setattr(export.Staging, "__enter__", denied)
+    assert main(_argv(world / "base", recipe_file(tmp_path, GOOD), tmp_path / "out")) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: permission denied: ") and ".out.partial-" in errors[0]
+    assert not (tmp_path / "out").exists()

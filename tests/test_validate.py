@@ -398,7 +398,7 @@ def test_force_after_a_failed_gate_reuses_the_finished_finetune(tmp_path, base_d
     cmd = [str(base_dir), "--recipe", str(recipe), "--output", str(out)]
     assert main(cmd) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: validation gates failed") and "re-run the same command with --force" in err
+    assert err.startswith("error: validation gates failed") and f"run `cca-convert {' '.join(cmd)} --force`" in err
     assert not out.exists()
     metrics = tmp_path / ".out.work" / "finetune" / "metrics.jsonl"
     before = metrics.read_text()

@@ -220,8 +220,14 @@ def stage_validate(job) -> None:
     kept = job.work_dir / "validation"  # the staging folder goes away with the failed run
     report_mod.write(report, job.work_dir)
     raise CCAError(f"validation gates failed: {summary}. Nothing was exported; report in {kept}/report.md. "
-                   "To export (and push) anyway, re-run the same command with --force (the baseline measurements "
+                   f"To export (and push) anyway, run {_with_force(job.command)} (the baseline measurements "
                    "and the finished finetune are reused), or relax the gates in the recipe's validate: section")
+
+
+def _with_force(command: str | None) -> str:
+    if not command:
+        return "the same command with --force"
+    return f"`{command}{'' if ' --force' in command else ' --force'}`"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
