@@ -1,0 +1,116 @@
+"""CCA inside transformers' stock model classes (modeling/cca_hf.py, design C): it reproduces the project's own
+CCA model, equals the stock model when the window covers the sequence, really changes attention when it does not,
+decodes from its compressed cache exactly as a no-cache loop does, and trains — on tiny random checkpoints of
+several families built from transformers' own configs."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from cca_convert import published
+from tests.factories import cca_model_from, tiny_base_model
+
+hf = published.load("cca_hf")
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, use_cache=False)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),  # q/k-norm
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),  # fused qkv_proj
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),  # q/k-norm over all heads, post-norms
+}
+
+
+def stock_and_cca(family, g=4, s=8, seed=0):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**COMMON, **extra)
+    config._attn_implementation = "sdpa"
+    stock = model_cls(config).eval()
+    for p in stock.parameters():  # stock inits leave some norms at exactly 1 and biases at 0: perturb all
+        torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
+    cca_config = copy.deepcopy(config)
+    cca_config.cca_group_size, cca_config.cca_local_window, cca_config.cca_attn_backend = g, s, "reference"
+    cca_config._attn_implementation = "cca"
+    cca = hf.make_cca_class(model_cls)(cca_config).eval()
+    cca.load_state_dict(stock.state_dict())
+    return stock, cca
+
+
+def ids(bsz=2, length=37, seed=1):
+    return torch.randint(3, 96, (bsz, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_reproduces_the_project_cca_model_on_llama():
+    base = tiny_base_model(max_position_embeddings=256)
+    legacy = cca_model_from(base, group_size=4, local_window=8, attn_backend="reference")
+    config = copy.deepcopy(base.config)
+    config.cca_group_size, config.cca_local_window, config.cca_attn_backend = 4, 8, "reference"
+    config._attn_implementation = "cca"
+    shim = hf.make_cca_class(transformers.LlamaForCausalLM)(config).eval()
+    shim.load_state_dict(base.state_dict())
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0  # left padding
+    with torch.no_grad():
+        for m in (None, mask):
+            want = legacy(x, attention_mask=m, use_cache=False).logits
+            got = shim(x, attention_mask=m, use_cache=False).logits
+            keep = slice(None) if m is None else m.bool()
+            torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_window_covering_the_sequence_equals_the_stock_model(family):
+    stock, cca = stock_and_cca(family, g=4, s=64)
+    x = ids(length=40)
+    with torch.no_grad():
+        torch.testing.assert_close(cca(x, use_cache=False).logits, stock(x, use_cache=False).logits,
+                                   atol=2e-5, rtol=2e-5)
+    small = stock_and_cca(family, g=4, s=8)[1]
+    with torch.no_grad():
+        assert (small(x, use_cache=False).logits - stock(x, use_cache=False).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_cached_greedy_decode_equals_a_no_cache_loop(family):
+    _, cca = stock_and_cca(family, g=4, s=8)
+    prompt = ids(bsz=1, length=21)
+    with torch.no_grad():
+        cache = cca(prompt, use_cache=True).past_key_values
+        assert isinstance(cache, hf.HFCCACache) and cache.get_seq_length() == 21  # compressed, not a full KV cache
+        out = cca.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+        loop = prompt
+        for _ in range(12):
+            nxt = cca(loop, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            loop = torch.cat((loop, nxt), 1)
+    assert torch.equal(out, loop)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_training_step_gives_finite_qkv_gradients(family):
+    _, cca = stock_and_cca(family, g=4, s=8)
+    cca.train()
+    x = ids(length=30)
+    loss = cca(x, labels=x, use_cache=False).loss
+    loss.backward()
+    names = [n for n, p in cca.named_parameters() if any(t in n for t in ("q_proj", "k_proj", "qkv_proj"))]
+    assert names and all(torch.isfinite(dict(cca.named_parameters())[n].grad).all() for n in names)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter only")
+def test_triton_backend_through_the_stock_classes_matches_the_reference():
+    _, ref = stock_and_cca("qwen3", g=4, s=8)
+    tri = copy.deepcopy(ref)
+    tri.config.cca_attn_backend = "triton"
+    x = ids(length=29)
+    with torch.no_grad():
+        torch.testing.assert_close(tri(x, use_cache=False).logits, ref(x, use_cache=False).logits, atol=1e-4, rtol=1e-4)
