@@ -17,7 +17,6 @@ load time runs the base model's own attention on the same weights.
 
 import sys
 
-import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
