@@ -26,7 +26,9 @@ def first_line(exc: BaseException) -> str:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         if not lines:
             continue
-        text = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
+        text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
         if not best or "error occurred while generating" in best.lower():
             best = text
-    return best or type(chain[0]).__name__ if chain else ""
+    if best:
+        return best
+    return type(chain[0]).__name__ if chain else ""

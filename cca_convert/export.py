@@ -57,13 +57,20 @@ class OutputLock:
         import fcntl
 
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise CCAError(f"another cca-convert run is writing {self.output} (it holds {self.path}); wait for it "
+                               "to finish or choose another --output") from None
+            try:  # the holder unlinks the file when it finishes: a lock on that old file protects nothing
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise CCAError(f"another cca-convert run is writing {self.output} (it holds {self.path}); wait for it to "
-                           "finish or choose another --output") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self.fd = fd

@@ -24,7 +24,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from .errors import CCAError
+from .errors import CCAError, first_line
 
 # What `resolve_source` downloads: config, safetensors weights, tokenizer and chat template files, top level only
 # (no *.bin / *.pth / onnx / gguf, nothing under original/ or other sub-folders except extra chat templates).
@@ -183,7 +183,7 @@ def _download_error(exc: BaseException, repo_id: str, revision: str | None) -> C
         return _unreachable(f"download {repo_id}", exc)
     if isinstance(exc, HfHubHTTPError):
         return CCAError(f"downloading {repo_id} failed: HTTP {_http_status(exc)} from {_endpoint()}: "
-                        f"{_first_line(exc)}")
+                        f"{first_line(exc)}")
     return None
 
 
@@ -191,11 +191,6 @@ def _bad_token(exc: BaseException) -> bool:
     response = getattr(exc, "response", None)
     message = response.headers.get("X-Error-Message", "") if response is not None else ""
     return _http_status(exc) == 401 and "Invalid credentials" in message
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -289,7 +284,7 @@ def _upload_error(exc: BaseException, repo_id: str, step: str) -> CCAError | Non
         return CCAError(f"no write access to {repo_id} (403) trying to {step}: use a token with write access "
                         "to that namespace, or push to your own namespace")
     if isinstance(exc, RevisionNotFoundError):
-        return CCAError(f"revision not found in {repo_id} trying to {step}: {_first_line(exc)}")
+        return CCAError(f"revision not found in {repo_id} trying to {step}: {first_line(exc)}")
     # huggingface_hub wraps a failed LFS transfer in RuntimeError("Error while uploading 'path' to the Hub.")
     lfs_failure = isinstance(exc, RuntimeError) and isinstance(exc.__cause__, (HfHubHTTPError, OSError))
     if step == "upload" and (lfs_failure or _is_connection_error(exc)):
@@ -304,5 +299,5 @@ def _upload_error(exc: BaseException, repo_id: str, step: str) -> CCAError | Non
     if _is_connection_error(exc):
         return _unreachable(f"{step} for {repo_id}", exc)
     if isinstance(exc, HfHubHTTPError):
-        return CCAError(f"could not {step} for {repo_id}: HTTP {status}: {_first_line(exc)}")
+        return CCAError(f"could not {step} for {repo_id}: HTTP {status}: {first_line(exc)}")
     return None

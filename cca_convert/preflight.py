@@ -5,6 +5,7 @@ once (one line each), so that a typo never costs the baseline evaluation of an 8
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -67,11 +68,9 @@ def _base_context(job) -> int | None:
         return None
 
 
-def check_weights(job) -> None:
-    """Every safetensors header parses and every tensor the model needs has the shape the config implies."""
+def read_weight_shapes(job) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers (no weights read); a header that does not parse is an error."""
     from safetensors import SafetensorError, safe_open
-
-    from .export import check_tensor_names
 
     shapes = {}
     for path in base_weight_files(Path(job.base_dir)):
@@ -84,6 +83,13 @@ def check_weights(job) -> None:
         except (SafetensorError, OSError) as exc:
             raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
                            "download is truncated or corrupt: download it again") from None
+    return shapes
+
+
+def check_weight_shapes(job, shapes: dict) -> None:
+    """Every tensor the model needs is there, with the shape the config implies."""
+    from .export import check_tensor_names
+
     check_tensor_names(list(shapes), job.config, str(job.base_dir))
     c = job.config
     hd = c.head_dim
@@ -110,7 +116,8 @@ def check_tokenizer(job) -> None:
     if has_tokenizer(Path(job.base_dir)):
         return
     if needs:
-        raise CCAError(f"{job.base_dir} has no tokenizer files, which {' and '.join(needs)} need: add them "
+        raise CCAError(f"{job.base_dir} has no tokenizer files, which {' and '.join(needs)} "
+                       f"need{'s' if len(needs) == 1 else ''}: add them "
                        "(tokenizer.json, tokenizer_config.json, ...) or turn those stages off")
     if job.recipe.export.require_tokenizer:
         raise CCAError(f"{job.base_dir} has no tokenizer files: the published repo could not be used as its model card "
@@ -134,7 +141,7 @@ def check_validation_data(job) -> None:
     prepare(job)  # reads and tokenizes the held-out text; checks every length has a full window
 
 
-def check_output_space(job) -> None:
+def check_output_space(job, shapes: dict) -> None:
     """The output's parent is writable and has room for the export (weights at the export dtype)."""
     parent = Path(job.output).resolve().parent
     probe = parent
@@ -144,16 +151,7 @@ def check_output_space(job) -> None:
         raise CCAError(f"--output {job.output}: {probe} is a file, not a folder; choose another --output")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise CCAError(f"--output {job.output}: {probe} is not writable; choose another --output")
-    from safetensors import safe_open
-
-    elements = 0
-    for path in base_weight_files(Path(job.base_dir)):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                n = 1
-                for dim in f.get_slice(name).get_shape():
-                    n *= dim
-                elements += n
+    elements = sum(math.prod(shape) for shape in shapes.values())
     need = elements * job.dtype.itemsize + 64 * 2**20  # the weights at the export dtype, plus code and card
     free = shutil.disk_usage(probe).free
     if free < need:
@@ -165,9 +163,13 @@ def stage_preflight(job) -> None:
     start = time.perf_counter()
     problems = Problems()
     check_cca_ranges(job, problems)
-    problems.check(check_weights, job)
-    if not problems.errors:  # sizes come from the weights' headers
-        problems.check(check_output_space, job)
+    try:
+        shapes = read_weight_shapes(job)
+    except CCAError as exc:
+        problems.errors.append(str(exc))
+    else:  # both need the headers' shapes
+        problems.check(check_weight_shapes, job, shapes)
+        problems.check(check_output_space, job, shapes)
     from .finetune.trainer import check_seq_len
 
     if job.recipe.finetune.enabled:

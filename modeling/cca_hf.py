@@ -65,12 +65,16 @@ def _unrope(module, x, cos, sin):
 def cca_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                           softcap=None, **kwargs):
     """The "cca" attention function: (B, H, L, d) post-RoPE q/k in, (B, L, H, d) out, no attention weights."""
+    # Refused, not approximated: each would silently change the base model's attention.
     if sliding_window is not None:
-        raise NotImplementedError("CCA on sliding-window layers is not supported yet (cca_convert refuses such models)")
+        raise ValueError(f"layer {module.layer_idx} is a sliding-window layer (sliding_window={sliding_window}): "
+                         "CCA replaces only full-attention layers, and this shim does not yet keep local layers "
+                         "as they are; load this model with attn_implementation='sdpa'")
     if softcap is not None:
-        raise NotImplementedError("CCA with attention-logit softcapping is not supported")
+        raise ValueError(f"this model caps attention logits (softcap={softcap}), which the CCA kernels do not "
+                         "implement; load it with attn_implementation='sdpa'")
     if dropout:
-        raise NotImplementedError("CCA attention has no attention dropout: set attention_dropout=0")
+        raise ValueError(f"CCA attention has no attention dropout (got {dropout}): set config.attention_dropout=0")
     (cos, sin), cache = module._cca_ctx
     q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)
     settings = CCASettings(module.config)

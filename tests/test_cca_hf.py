@@ -114,3 +114,12 @@ def test_triton_backend_through_the_stock_classes_matches_the_reference():
     x = ids(length=29)
     with torch.no_grad():
         torch.testing.assert_close(tri(x, use_cache=False).logits, ref(x, use_cache=False).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_layers_are_refused_not_approximated():
+    config_cls, model_cls, _ = FAMILIES["mistral"]
+    config = config_cls(**COMMON, sliding_window=16)
+    config._attn_implementation = "cca"
+    model = hf.make_cca_class(model_cls)(config).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"sliding-window layer .* attn_implementation='sdpa'"):
+        model(ids(length=20), use_cache=False)

@@ -316,8 +316,8 @@ def stage_finetune(job, on_step=None) -> None:
             saved = ckpts.read_state(resume_from)
             _check_resumable(saved, job, world)
 
-        # Data first: every data problem is reported before any weight is touched.
-        data = build_sequences(ft, tokenizer, eos_id, pad_id, rank, world, log)
+        # Data first: every data problem is reported before any weight is touched. A finished run reads none.
+        data = None if finished else build_sequences(ft, tokenizer, eos_id, pad_id, rank, world, log)
         vocab = job.config.vocab_size
         if getattr(data, "seqs", None) is not None and len(data.seqs) and max(int(s.max()) for s in data.seqs) >= vocab:
             raise CCAError(f"the tokenizer of {job.base_dir} yields ids >= the model's vocab_size={vocab}")
@@ -365,7 +365,7 @@ def stage_finetune(job, on_step=None) -> None:
         log(f"  {ft.steps} steps x {ga} micro-batches x {mb} x {world} process(es) x {ft.seq_len} tokens, "
             f"lr {ft.lr:g} ({ft.lr_schedule}, warmup {ft.warmup_steps})")
 
-        batches = data.batches(start_micro=start * ga)
+        batches = data.batches(start_micro=start * ga) if data is not None else iter(())
         bar = tqdm(total=ft.steps, initial=start, disable=not main, unit="step", desc="  finetune", dynamic_ncols=True)
         step, first_loss, last_loss, t_begin, tokens_total = start, None, None, time.perf_counter(), 0
         with StopOnSignal(bar.write if main else (lambda m: None)) as stop:

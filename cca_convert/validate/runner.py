@@ -225,9 +225,7 @@ def stage_validate(job) -> None:
 
 
 def _with_force(command: str | None) -> str:
-    if not command:
-        return "the same command with --force"
-    return f"`{command}{'' if ' --force' in command else ' --force'}`"
+    return f"`{command} --force`" if command else "the same command with --force"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -334,8 +332,8 @@ def run_validate(argv: list[str]) -> int:
     if beyond:
         raise CCAError(f"validate.context_lengths {beyond} exceed the model's context (max_position_embeddings="
                        f"{context}); drop them with --set validate.context_lengths=[...]")
-    base_ctx = (json.loads((resolve_source(args.base) / "config.json").read_text()).get("max_position_embeddings")
-                if args.base else None)
+    base_folder = resolve_source(args.base) if args.base else None
+    base_ctx = json.loads((base_folder / "config.json").read_text()).get("max_position_embeddings") if base_folder else None
     if base_ctx and any(n > base_ctx for n in section.context_lengths):
         print(f"warning: validate.context_lengths go past the base model's own context ({base_ctx}): its perplexity "
               "there is out of its trained range")
@@ -353,7 +351,7 @@ def run_validate(argv: list[str]) -> int:
     if args.base:
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(resolve_source(args.base), dtype=model.dtype).to(device).eval()
+        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=model.dtype).to(device).eval()
         results["base"] = suite.measure(base, None, "base")
         base_backend = None
     else:

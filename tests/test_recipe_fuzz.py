@@ -1,0 +1,46 @@
+"""Property-based fuzz of recipe parsing and `--set`: random YAML and values give a recipe or one clear CCAError,
+never another exception."""
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cca_convert.errors import CCAError
+from cca_convert.recipe import load_recipe, parse_overrides
+
+
+KEYS = ["cca.group_size", "cca.local_window", "cca.pooling", "cca.attn_backend", "cca.rope_theta", "export.dtype",
+        "export.max_shard_size", "finetune.enabled", "finetune.steps", "finetune.method", "finetune.data.files",
+        "validate.context_lengths", "validate.max_ppl_ratio", "validate.data.files", "nope.key", "cca"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=12))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                      max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.dictionaries(st.sampled_from(["cca", "export", "finetune", "validate", "other"]), values, max_size=4),
+       pairs=st.lists(st.tuples(st.sampled_from(KEYS) | st.text(max_size=10), st.text(max_size=12)), max_size=3))
+def test_fuzzed_recipes_and_overrides_give_a_clear_error_or_a_recipe(doc, pairs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    try:
+        load_recipe(path, [f"{k}={v}" for k, v in pairs])
+    except CCAError as exc:
+        assert str(exc).strip()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=80))
+def test_fuzzed_recipe_text_gives_a_clear_error_or_a_recipe(text, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
+    path.write_text(text)
+    try:
+        load_recipe(path, [])
+    except CCAError as exc:
+        assert str(exc).strip()
+    try:
+        parse_overrides([text])
+    except CCAError:
+        pass
