@@ -256,10 +256,6 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(case, world, tmp_path, c
     assert leftovers(tmp_path) == []
 
 
-def test_the_matrix_has_at_least_40_rows():
-    assert len(ROWS) >= 40
-
-
 def test_several_problems_are_reported_at_once(world, tmp_path, capsys):
     base = copy_base(world, tmp_path)
     [p.unlink() for p in base.glob("tok*")]
