@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .argparsing import OneLineParser
 from .errors import CCAError
+from .families import FAMILIES
 
 USAGE_EXAMPLES = """examples:
   cca-convert meta-llama/Llama-3.1-8B --output llama-3.1-8b-cca
@@ -24,6 +25,9 @@ other commands:
   cca-convert validate DIR_OR_REPO ...   re-run the validation of an exported model (see validate --help)
   cca-convert push DIR REPO ...          upload an exported folder to the Hub (see push --help)
 
+supported families (config.json model_type: base models -> default recipe):
+{families}
+
 exit status: 0 done; 1 validation gates failed (validate) or an internal error; 2 bad input (one
 `error:` line, nothing written); 130 interrupted (Ctrl-C or SIGTERM; a finetune resumes with --resume).
 --debug (or CCA_DEBUG=1) shows the traceback of an error.
@@ -33,8 +37,9 @@ exit status: 0 done; 1 validation gates failed (validate) or an internal error; 
 def convert_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="cca-convert",
-        description="Convert a Llama/Qwen2 causal LM to Core Context Aware attention and export a complete Hub repo.",
-        epilog=USAGE_EXAMPLES,
+        description="Convert a Hugging Face causal LM to Core Context Aware attention and export a complete Hub repo.",
+        epilog=USAGE_EXAMPLES.format(families="\n".join(
+            f"  {f.model_type:<12} {f.names} -> recipes/{f.recipe}" for f in FAMILIES.values())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", metavar="SOURCE", help="Hub model id (org/name) or local model folder")

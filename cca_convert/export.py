@@ -160,21 +160,25 @@ def base_tensor_names(base_dir: Path) -> list[str]:
     return names
 
 
-def expected_tensor_names(config) -> set[str]:
-    """Parameter names of the CCA model for ``config`` (built on the meta device: no memory)."""
-    model_cls = published.load("modeling_cca").CCAForCausalLM
+def model_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the CCA model for ``config`` (built on the meta device: no memory)."""
+    from .families import FAMILIES
+
     with torch.device("meta"):
-        model = model_cls(config)
-    names = set(model.state_dict())
+        model = published.family_class(FAMILIES[config.model_type])(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
-        names.discard("lm_head.weight")
-    return names
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def check_tensor_names(names: list[str], config, where: str) -> None:
-    expected = expected_tensor_names(config)
+    expected = set(model_shapes(config))
     have = set(names) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    missing, unexpected = sorted(expected - have), sorted(have - expected)
+    # MoE expert weights are stored per expert and fused by transformers' own conversion at load (which then
+    # checks them); every other name must match exactly.
+    missing = sorted(n for n in expected - have if ".experts." not in n)
+    unexpected = sorted(n for n in have - expected if ".experts." not in n)
     if missing or unexpected:
         raise CCAError(
             f"{where}: weights do not match the architecture (missing: {missing[:5]}, unexpected: {unexpected[:5]})"
@@ -222,9 +226,8 @@ def write_shards(
     return final
 
 
-def copy_code_and_tokenizer(base_dir: Path, folder: Path) -> None:
-    for path in published.published_paths():
-        shutil.copyfile(path, folder / path.name)
+def copy_code_and_tokenizer(base_dir: Path, folder: Path, family) -> None:
+    published.write_code(folder, family)
     for name in TOKENIZER_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, folder / name)

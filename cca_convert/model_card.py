@@ -7,6 +7,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .families import FAMILIES
 from .recipe import Recipe
 
 
@@ -22,7 +23,8 @@ Aware Transformers for Long Context Language Modeling", ICML 2025) with cca-conv
 CCA pools every group of `g` tokens into one *core token* (weights from the group's last query) and
 lets each query attend, in one softmax, to the core tokens of distant groups plus the raw keys of its
 most recent ~`s` tokens. Attention costs O(L²/g + L·s) instead of O(L²), and the KV cache keeps only
-core tokens and the local window. No parameters were added: the weights have the base model's names.
+core tokens and the local window. No parameters were added: the weights have the base model's names, and the
+model is transformers' own `{causal_lm}` with its full-attention layers running CCA{layers_note}.
 
 | setting | value |
 | --- | --- |
@@ -37,17 +39,18 @@ core tokens and the local window. No parameters were added: the weights have the
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# trust_remote_code: the repo's config is custom code (configuration_cca.py); the tokenizer is the base model's.
-tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
+# trust_remote_code: the model class is {module}.py (the stock class + cca_hf.py's CCA attention).
 model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
 # g and s can be changed at load time without retraining (paper Sec. 4.3):
-# AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, group_size=8, local_window=2048)
+# AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, cca_group_size=8, cca_local_window=2048)
 ```
 
 Requirements: `transformers>=5.17` and `torch>=2.11` (older transformers cannot load this code);
 `triton` on CUDA only. On CUDA the attention runs as a Triton kernel (`pip install triton`); elsewhere a
-PyTorch reference implementation is used (`attn_backend="triton"` without a GPU is an error that says so). `attn_backend="full"` at load time runs plain causal attention with the same
-weights, for A/B comparisons.
+PyTorch reference implementation is used (`cca_attn_backend="triton"` without a GPU is an error that says so).
+`cca_attn_backend="full"` at load time runs plain causal attention with the same weights, for A/B comparisons;
+`attn_implementation="sdpa"` runs the base model's own attention.
 
 {extra}
 ## Recipe
@@ -72,7 +75,7 @@ def build_model_card(
         base_model_relation="finetune" if on_hub else None,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["cca", "core-context-aware-attention", "long-context", "custom_code", config.base_model_type],
+        tags=["cca", "core-context-aware-attention", "long-context", "custom_code", config.model_type],
         **(card_data or {}),
     )
     trained = (
@@ -80,16 +83,26 @@ def build_model_card(
         if finetuned
         else "No finetune was run: quality may be below the base model's until one is."
     )
-    pooling_note = "one core token per KV head" if config.pooling == "kv" else "one core token per query head"
+    family = FAMILIES[config.model_type]
+    pooling_note = "one core token per KV head" if config.cca_pooling == "kv" else "one core token per query head"
+    replaced = getattr(config, "cca_replaced_sliding_window", None)
+    sliding = sum(t == "sliding_attention" for t in getattr(config, "layer_types", None) or [])
+    layers_note = (f" (CCA also replaces the base's {replaced}-token sliding window)" if replaced else
+                   f" ({sliding} sliding-window layers keep their own attention)" if sliding else "")
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope) if isinstance(rope, dict) else {}
     body = _BODY.format(
         name=repo_name,
         base=base_model,
         trained=trained,
-        g=config.group_size,
-        s=config.local_window,
-        pooling=config.pooling,
+        causal_lm=family.causal_lm,
+        layers_note=layers_note,
+        module=family.module,
+        g=config.cca_group_size,
+        s=config.cca_local_window,
+        pooling=config.cca_pooling,
         pooling_note=pooling_note,
-        rope_theta=config.rope_parameters.get("rope_theta"),
+        rope_theta=rope.get("rope_theta"),
         max_pos=config.max_position_embeddings,
         repo=repo_name,
         extra=extra,

@@ -72,6 +72,12 @@ class Job:
         return self.output.resolve().parent / f".{self.output.name}.work"
 
     @property
+    def family(self):
+        from .families import FAMILIES
+
+        return FAMILIES[self.config.model_type]
+
+    @property
     def dtype(self) -> torch.dtype:
         """The export dtype: the recipe's, else the base config's, else float32 (configs may omit it)."""
         dtype = self.config.dtype or "float32"
@@ -81,8 +87,11 @@ class Job:
 def stage_convert(job: Job) -> None:
     job.config = build_cca_config(job.base_dir, job.recipe)
     c = job.config
-    job.log(f"  {c.base_model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
-            f"heads, head_dim {c.head_dim}; CCA g={c.group_size} s={c.local_window} pooling={c.pooling}")
+    replaced = getattr(c, "cca_replaced_sliding_window", None)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
+            f"heads, head_dim {head_dim}; CCA g={c.cca_group_size} s={c.cca_local_window} pooling={c.cca_pooling}"
+            + (f"; CCA replaces its sliding window ({replaced})" if replaced else ""))
 
 
 def check_finite_weights(model, where: str) -> None:
@@ -100,8 +109,13 @@ def check_finite_weights(model, where: str) -> None:
 def stage_load(job: Job) -> None:
     from . import published
 
-    model_cls = published.load("modeling_cca").CCAForCausalLM
-    job.model = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype).to(job.device)
+    model_cls = published.family_class(job.family)
+    job.model, info = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype,
+                                                output_loading_info=True)
+    if info.get("missing_keys") or info.get("mismatched_keys"):
+        bad = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
+        raise CCAError(f"{job.base_dir}: the weights do not fill the model (missing or mismatched: {bad[:5]})")
+    job.model.to(job.device)
     check_finite_weights(job.model, str(job.base_dir))
     job.log(f"  {sum(p.numel() for p in job.model.parameters()) / 1e6:.1f}M parameters, {job.dtype}, on {job.device}")
 
@@ -126,7 +140,7 @@ def stage_export(job: Job) -> None:
     job.model = None
     gc.collect()
     job.config.save_pretrained(folder)
-    export.copy_code_and_tokenizer(job.base_dir, folder)
+    export.copy_code_and_tokenizer(job.base_dir, folder, job.family)
     export.write_generation_config(job.base_dir, folder, job.config)
     (folder / "cca_recipe.yaml").write_text(recipe.to_yaml())
     card = build_model_card(

@@ -88,19 +88,10 @@ def read_weight_shapes(job) -> dict[str, tuple[int, ...]]:
 
 def check_weight_shapes(job, shapes: dict) -> None:
     """Every tensor the model needs is there, with the shape the config implies."""
-    from .export import check_tensor_names
+    from .export import check_tensor_names, model_shapes
 
     check_tensor_names(list(shapes), job.config, str(job.base_dir))
-    c = job.config
-    hd = c.head_dim
-    expected = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.layers.0.self_attn.q_proj.weight": (c.num_attention_heads * hd, c.hidden_size),
-        "model.layers.0.self_attn.k_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
-        "model.layers.0.self_attn.v_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
-        "model.layers.0.self_attn.o_proj.weight": (c.hidden_size, c.num_attention_heads * hd),
-    }
-    for name, shape in expected.items():
+    for name, shape in model_shapes(job.config).items():
         if name in shapes and shapes[name] != shape:
             raise CCAError(f"{job.base_dir}: {name} has shape {list(shapes[name])} but config.json implies "
                            f"{list(shape)}: the weights do not belong to this config")

@@ -7,9 +7,12 @@ files' relative imports resolve here just as they do in a Hub repo.
 """
 
 import importlib
+import shutil
 import sys
 import types
 from pathlib import Path
+
+from .families import Family, modeling_source
 
 try:  # installed: pyproject maps modeling/ and kernels/ to cca_convert.modeling / cca_convert.kernels
     from . import kernels as _kernels_pkg
@@ -22,10 +25,11 @@ except ImportError:  # a source checkout on PYTHONPATH, not installed
     KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PACKAGE = "cca_convert._published"
 
-# Copied into every exported repo, in this order (modeling first: it is what users read).
+# Copied into every exported repo, in this order (modeling first: it is what users read), beside the family's
+# generated modeling_cca_<model_type>.py. modeling_cca.py/configuration_cca.py (the first releases' Llama/Qwen2-only
+# model_type "cca") are no longer exported; they stay as the reference the shim is tested against.
 PUBLISHED_FILES = {
-    "configuration_cca.py": MODELING_DIR,
-    "modeling_cca.py": MODELING_DIR,
+    "cca_hf.py": MODELING_DIR,
     "attention_cca.py": MODELING_DIR,
     "cache_cca.py": MODELING_DIR,
     "cca_reference.py": KERNELS_DIR,
@@ -38,6 +42,25 @@ PUBLISHED_FILES = {
 def published_paths() -> list[Path]:
     """Paths of the published files that exist in this build."""
     return [folder / name for name, folder in PUBLISHED_FILES.items() if (folder / name).exists()]
+
+
+def write_code(folder: Path, family: Family) -> None:
+    """The published files plus the family's modeling file, into an export folder."""
+    for path in published_paths():
+        shutil.copyfile(path, folder / path.name)
+    (folder / f"{family.module}.py").write_text(modeling_source(family))
+
+
+def family_class(family: Family) -> type:
+    """The family's CCA class, from exactly the source its exported repo gets."""
+    name = f"{PACKAGE}.{family.module}"
+    if name not in sys.modules:
+        load("cca_hf")  # the package and the shim first
+        module = types.ModuleType(name)
+        module.__package__ = PACKAGE
+        exec(compile(modeling_source(family), f"<{family.module}.py>", "exec"), module.__dict__)
+        sys.modules[name] = module
+    return getattr(sys.modules[name], family.cca_class)
 
 
 def load(module: str) -> types.ModuleType:

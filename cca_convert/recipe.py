@@ -25,8 +25,6 @@ try:  # installed: pyproject maps recipes/ to cca_convert.recipes
     RECIPES_DIR = Path(_recipes_pkg.__file__).parent
 except ImportError:  # a source checkout on PYTHONPATH, not installed
     RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-# Base model families (config.json model_type) and the recipe used when none is given.
-DEFAULT_RECIPES = {"llama": "llama-3.1-8b.yaml", "qwen2": "qwen2.5-7b.yaml"}
 
 
 class Section(BaseModel):
@@ -129,9 +127,11 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None = None) -> tuple[Recipe, Path]:
     """Read a recipe (or the family default), apply ``--set`` overrides, validate. Raises CCAError."""
     if path is None:
-        if family not in DEFAULT_RECIPES:
+        from .families import FAMILIES
+
+        if family not in FAMILIES:
             raise CCAError(f"no default recipe for model family {family!r}; pass --recipe FILE")
-        path = RECIPES_DIR / DEFAULT_RECIPES[family]
+        path = RECIPES_DIR / FAMILIES[family].recipe
     path = Path(path)
     if not path.is_file():
         raise CCAError(f"recipe file not found: {path}")

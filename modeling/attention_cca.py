@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from .cca_reference import apply_rope, cca_attention_reference, pool_core_tokens
-from .configuration_cca import CCAConfig
 
 try:
     from .cca_triton import cca_attention_triton
@@ -16,8 +15,9 @@ except ImportError:  # triton is optional: CPU-only installs use the reference
     cca_attention_triton = None
 
 
-def cca_attention(q, k, v, cos, sin, config: CCAConfig, scale: float, return_core: bool = False):
-    """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend. With ``return_core``
+def cca_attention(q, k, v, cos, sin, config, scale: float, return_core: bool = False):
+    """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend (``config`` carries
+    ``group_size``, ``local_window``, ``pooling``, ``attn_backend``). With ``return_core``
     also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention."""
     use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and q.is_cuda)
     if config.attn_backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,34 +1,44 @@
-"""CCA attention inside transformers' own model classes (design C of FAMILIES-NOTES.md; not yet used by the CLI).
+"""CCA attention inside transformers' own model classes.
 
-A family's CCA model is its stock ``XForCausalLM`` (embeddings, norms incl. q/k-norm, MLP/MoE, rotary variants,
-weight conversions: all transformers' own code) with three changes, none of which copies model code:
+A family's CCA model (``modeling_cca_<family>.py``) is its stock ``XForCausalLM`` — embeddings, norms incl. q/k-norm,
+MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code — with ``CCAModelMixin`` in front:
 
-- ``config._attn_implementation = "cca"``: the attention function registered below replaces SDPA. It receives
-  transformers' post-RoPE q/k, recovers the pre-RoPE tensors with the family's own ``apply_rotary_pos_emb`` (CCA
-  pools pre-RoPE keys and rotates them at the group middle), and runs the project's CCA attention or cache layer.
-- a forward pre-hook on every ``self_attn`` keeps the layer's ``position_embeddings`` and cache for that function
-  (transformers passes neither to attention functions);
-- ``forward`` swaps an empty cache for a compressed ``CCACache`` (``generate()`` creates a ``DynamicCache``).
+- the attention implementation defaults to ``"cca"``, the function registered below. It receives transformers'
+  post-RoPE q/k, recovers the pre-RoPE tensors with the family's own ``apply_rotary_pos_emb`` (CCA pools pre-RoPE
+  keys and rotates them at the group middle), and runs CCA (``attention_cca.py``) or its compressed cache
+  (``cache_cca.py``). Sliding-window layers (Gemma 3's local layers, Qwen's ``max_window_layers``) keep their own
+  sliding attention and cache: CCA replaces full attention only.
+- a forward pre-hook on every attention module keeps the layer's ``position_embeddings`` and cache for that
+  function (transformers passes neither to attention functions);
+- ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``).
 
-The CCA settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
-``cca_attn_backend`` (``from_pretrained(..., cca_group_size=8)`` overrides them); ``attn_implementation="sdpa"`` at
-load time runs the base model's own attention on the same weights.
+Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
+``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": plain causal attention on the
+same weights). ``from_pretrained(..., cca_group_size=8)`` overrides them and is checked at load.
+``attn_implementation="sdpa"`` or ``"eager"`` at load runs the base model's own attention (no CCA) on the same weights.
 """
 
 import sys
 
+import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.utils import logging
 
-from .attention_cca import cca_attention, left_padding, shift_rows
-from .cache_cca import CCACache
+from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
+from .cache_cca import CCACache, CCALayerCache
+
+logger = logging.get_logger(__name__)
 
 DEFAULTS = {"group_size": 16, "local_window": 1024, "pooling": "kv", "attn_backend": "auto"}
+CHOICES = {"pooling": ("kv", "query"), "attn_backend": ("auto", "triton", "reference", "full")}
 
 
 class CCASettings:
-    """The CCA fields of a stock config, under the names the attention and cache code read (looked up on each
-    access, so overrides made after loading apply)."""
+    """The CCA fields of a stock config under the names the attention and cache code read (looked up on each access,
+    so overrides made after loading apply)."""
 
     def __init__(self, config):
         self._config = config
@@ -39,12 +49,34 @@ class CCASettings:
         return getattr(self._config, name)
 
 
+def check_settings(config):
+    """Refuse bad ``cca_*`` values when the model is built, not at its first forward."""
+    for name in ("group_size", "local_window"):
+        value = getattr(config, f"cca_{name}", DEFAULTS[name])
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"cca_{name} must be an integer >= 1, got {value!r}")
+    for name, choices in CHOICES.items():
+        value = getattr(config, f"cca_{name}", DEFAULTS[name])
+        if value not in choices:
+            raise ValueError(f"cca_{name} must be one of {choices}, got {value!r}")
+
+
 class HFCCACache(CCACache):
-    """``CCACache`` for stock attention modules: they call ``update(k, v, layer)`` before the attention function,
-    which then does the real (compressed) work, so ``update`` hands the new tensors through unchanged."""
+    """The compressed cache for stock attention modules. They call ``update(k, v, layer)`` before the attention
+    function: CCA layers hand the new tensors through (the function then does the compressed work); sliding-window
+    layers are ordinary sliding caches."""
+
+    def __init__(self, config):
+        settings = CCASettings(config)
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        Cache.__init__(self, layers=[DynamicSlidingWindowLayer(config.sliding_window) if t == "sliding_attention"
+                                     else CCALayerCache(settings) for t in types])
+        self.config = settings
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return key_states, value_states
+        if isinstance(self.layers[layer_idx], CCALayerCache):
+            return key_states, value_states
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _capture(module, args, kwargs):
@@ -62,22 +94,38 @@ def _unrope(module, x, cos, sin):
     return rope(xf, xf, cos.float() / s2, -sin.float() / s2)[0].to(x.dtype)
 
 
+def _sliding_attention(module, query, key, value, mask_2d, scaling, window):
+    """A local layer's own attention: causal within ``window`` columns, over the keys its sliding cache holds."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_col = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+    k_col = torch.arange(kv_len, device=query.device)[None, :]
+    mask = ((k_col <= q_col) & (q_col - k_col < window))[None, None]
+    if mask_2d is not None:
+        mask = mask & (mask_2d[:, None, None, -kv_len:].bool() | (k_col == q_col))  # pad rows keep one key: no NaN
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
+
+
 def cca_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                           softcap=None, **kwargs):
     """The "cca" attention function: (B, H, L, d) post-RoPE q/k in, (B, L, H, d) out, no attention weights."""
     # Refused, not approximated: each would silently change the base model's attention.
-    if sliding_window is not None:
-        raise ValueError(f"layer {module.layer_idx} is a sliding-window layer (sliding_window={sliding_window}): "
-                         "CCA replaces only full-attention layers, and this shim does not yet keep local layers "
-                         "as they are; load this model with attn_implementation='sdpa'")
     if softcap is not None:
         raise ValueError(f"this model caps attention logits (softcap={softcap}), which the CCA kernels do not "
                          "implement; load it with attn_implementation='sdpa'")
     if dropout:
         raise ValueError(f"CCA attention has no attention dropout (got {dropout}): set config.attention_dropout=0")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"a {attention_mask.dim()}-D attention mask was passed: CCA's attention pattern is fixed (core "
+                         "tokens + local window), so it takes only a 2-D padding mask (batch, columns); load the model "
+                         "with attn_implementation='sdpa' to use custom masks without CCA")
+    if sliding_window is not None:
+        return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
     (cos, sin), cache = module._cca_ctx
-    q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)
     settings = CCASettings(module.config)
+    if settings.attn_backend == "full":
+        out = full_causal_attention(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2), None
+    q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)
     if isinstance(cache, CCACache):
         out = cache.cca_attention(module.layer_idx, q, k, value, cos, sin, attention_mask, scaling)
     else:
@@ -99,26 +147,41 @@ AttentionInterface.register("cca", cca_attention_forward)
 AttentionMaskInterface.register("cca", flash_attention_mask)  # the 2-D padding mask (or None), as CCA expects
 
 
-def make_cca_class(base):
-    """``CCA<Base>`` = the stock causal-LM class ``base`` with CCA attention and the compressed cache."""
+class CCAModelMixin:
+    """Put in front of a stock causal-LM class: ``class CCAQwen3ForCausalLM(CCAModelMixin, Qwen3ForCausalLM)``."""
 
-    class CCAForCausalLM(base):
-        def __init__(self, config):
-            super().__init__(config)
-            for module in self.modules():
-                if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
-                    module.register_forward_pre_hook(_capture, with_kwargs=True)
+    def __init__(self, config, *args, **kwargs):
+        unprefixed = sorted(set(kwargs) & set(DEFAULTS))
+        if unprefixed:  # from_pretrained hands keys the config does not know to the model
+            raise ValueError(f"unknown option(s) {unprefixed}: CCA settings are named cca_<name>, e.g. "
+                             f"from_pretrained(..., cca_{unprefixed[0]}=...)")
+        check_settings(config)
+        super().__init__(config, *args, **kwargs)
+        for module in self.modules():
+            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
+                module.register_forward_pre_hook(_capture, with_kwargs=True)
 
-        def forward(self, *args, past_key_values=None, use_cache=None, **kwargs):
-            use_cache = self.config.use_cache if use_cache is None else use_cache
-            if self.config._attn_implementation == "cca" and use_cache and not self.training:
-                if past_key_values is None or (not isinstance(past_key_values, CCACache)
-                                               and past_key_values.get_seq_length() == 0):
-                    past_key_values = HFCCACache(CCASettings(self.config))
-            return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation is None or attn_implementation == "cca":
+            return "cca"
+        logger.warning_once(f"attn_implementation={attn_implementation!r}: this model runs its base model's own "
+                            "attention, without CCA (leave attn_implementation unset for CCA)")
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
-    CCAForCausalLM.__name__ = CCAForCausalLM.__qualname__ = "CCA" + base.__name__
-    return CCAForCausalLM
+    def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, **kwargs):
+        uses_cca = self.config._attn_implementation == "cca"
+        if output_attentions and uses_cca:
+            raise ValueError("output_attentions=True: CCA computes no attention matrix (core tokens and a local "
+                             "window share one softmax); load the model with attn_implementation='eager' to inspect "
+                             "the base model's attention weights")
+        if output_attentions is not None:
+            kwargs["output_attentions"] = output_attentions
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if uses_cca and use_cache and not self.training and CCASettings(self.config).attn_backend != "full":
+            if past_key_values is None or (not isinstance(past_key_values, CCACache)
+                                           and past_key_values.get_seq_length() == 0):
+                past_key_values = HFCCACache(self.config)
+        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
 
-__all__ = ["CCASettings", "HFCCACache", "cca_attention_forward", "make_cca_class"]
+__all__ = ["CCAModelMixin", "CCASettings", "HFCCACache", "cca_attention_forward", "check_settings"]

@@ -14,6 +14,10 @@ from tests.factories import cca_model_from, tiny_base_model
 
 hf = published.load("cca_hf")
 
+
+def cca_class(base):
+    return type(f"CCA{base.__name__}", (hf.CCAModelMixin, base), {})
+
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
               eos_token_id=2, use_cache=False)
@@ -39,7 +43,7 @@ def stock_and_cca(family, g=4, s=8, seed=0):
     cca_config = copy.deepcopy(config)
     cca_config.cca_group_size, cca_config.cca_local_window, cca_config.cca_attn_backend = g, s, "reference"
     cca_config._attn_implementation = "cca"
-    cca = hf.make_cca_class(model_cls)(cca_config).eval()
+    cca = cca_class(model_cls)(cca_config).eval()
     cca.load_state_dict(stock.state_dict())
     return stock, cca
 
@@ -54,7 +58,7 @@ def test_reproduces_the_project_cca_model_on_llama():
     config = copy.deepcopy(base.config)
     config.cca_group_size, config.cca_local_window, config.cca_attn_backend = 4, 8, "reference"
     config._attn_implementation = "cca"
-    shim = hf.make_cca_class(transformers.LlamaForCausalLM)(config).eval()
+    shim = cca_class(transformers.LlamaForCausalLM)(config).eval()
     shim.load_state_dict(base.state_dict())
     x = ids()
     mask = torch.ones_like(x)
@@ -116,10 +120,22 @@ def test_triton_backend_through_the_stock_classes_matches_the_reference():
         torch.testing.assert_close(tri(x, use_cache=False).logits, ref(x, use_cache=False).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_sliding_window_layers_are_refused_not_approximated():
+def test_sliding_window_layers_keep_their_own_attention():
+    """A sliding-window layer is not CCA's to change: with every layer sliding (Mistral as stored; the converter
+    is what replaces such a window) the shim equals the stock model, cached and not."""
     config_cls, model_cls, _ = FAMILIES["mistral"]
+    torch.manual_seed(0)
     config = config_cls(**COMMON, sliding_window=16)
-    config._attn_implementation = "cca"
-    model = hf.make_cca_class(model_cls)(config).eval()
-    with torch.no_grad(), pytest.raises(ValueError, match=r"sliding-window layer .* attn_implementation='sdpa'"):
-        model(ids(length=20), use_cache=False)
+    config._attn_implementation = "sdpa"
+    stock = model_cls(config).eval()
+    cca_config = copy.deepcopy(config)
+    cca_config._attn_implementation = "cca"
+    model = cca_class(model_cls)(cca_config).eval()
+    model.load_state_dict(stock.state_dict())
+    x = ids(length=40)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=False).logits, stock(x, use_cache=False).logits,
+                                   atol=1e-5, rtol=1e-5)
+        got = model.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = stock.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)

@@ -50,10 +50,13 @@ def test_export_is_a_complete_repo(base, recipe, tmp_path):
     assert convert(base, recipe, tmp_path / "out") == 0
     out = tmp_path / "out"
     config = json.loads((out / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_cca.CCAForCausalLM"
-    assert (config["group_size"], config["local_window"], config["pooling"]) == (4, 16, "kv")
+    assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_cca_llama.CCALlamaForCausalLM"}
+    assert config["model_type"] == "llama" and config["architectures"] == ["CCALlamaForCausalLM"]
+    assert (config["cca_group_size"], config["cca_local_window"], config["cca_pooling"]) == (4, 16, "kv")
     assert config["rope_parameters"]["rope_type"] == "llama3"
-    for name in ("configuration_cca.py", "modeling_cca.py", "cache_cca.py", "cca_reference.py", "cca_triton.py",
+    assert not (out / "modeling_cca.py").exists() and not (out / "configuration_cca.py").exists()
+    for name in ("modeling_cca_llama.py", "cca_hf.py", "attention_cca.py", "cache_cca.py", "cca_reference.py",
+                 "cca_triton.py",
                  "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "cca_recipe.yaml", "README.md", "model.safetensors.index.json"):
         assert (out / name).is_file(), name
@@ -84,7 +87,7 @@ LOADER = textwrap.dedent("""
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
         generated = model.generate(ids[:, :20], max_new_tokens=30, do_sample=False)
-        torch.save({"logits": logits, "g": model.config.group_size, "s": model.config.local_window,
+        torch.save({"logits": logits, "g": model.config.cca_group_size, "s": model.config.cca_local_window,
                     "module": type(model).__module__, "generated": generated}, out)
 """)
 
@@ -101,12 +104,12 @@ def load_in_clean_process(folder: Path, tmp_path: Path, blocked=("cca_convert",)
 def test_exported_folder_loads_without_cca_convert_and_honours_overrides(base, recipe, tmp_path):
     out = tmp_path / "out"
     assert convert(base, recipe, out) == 0
-    modeling, configuration = published.load("modeling_cca"), published.load("configuration_cca")
+    from cca_convert.families import FAMILIES
+
     ids = torch.arange(60).remainder(96)[None]
 
     def in_process(**overrides):
-        config = configuration.CCAConfig.from_pretrained(out, **overrides)
-        model = modeling.CCAForCausalLM.from_pretrained(out, config=config).eval()
+        model = published.family_class(FAMILIES["llama"]).from_pretrained(out, **overrides).eval()
         with torch.no_grad():
             return model(ids, use_cache=False).logits
 
@@ -114,9 +117,10 @@ def test_exported_folder_loads_without_cca_convert_and_honours_overrides(base, r
     assert default["module"].startswith("transformers_modules.")
     torch.testing.assert_close(default["logits"], in_process(), atol=1e-5, rtol=0)
 
-    overridden = load_in_clean_process(out, tmp_path, group_size=8, local_window=24)
+    overridden = load_in_clean_process(out, tmp_path, cca_group_size=8, cca_local_window=24)
     assert (overridden["g"], overridden["s"]) == (8, 24)
-    torch.testing.assert_close(overridden["logits"], in_process(group_size=8, local_window=24), atol=1e-5, rtol=0)
+    torch.testing.assert_close(overridden["logits"], in_process(cca_group_size=8, cca_local_window=24), atol=1e-5,
+                               rtol=0)
     # Up to the window the override changes nothing; after it, core tokens differ.
     torch.testing.assert_close(overridden["logits"][:, :16], default["logits"][:, :16], atol=1e-5, rtol=0)
     assert (overridden["logits"][:, 30:] - default["logits"][:, 30:]).abs().max() > 1e-4
@@ -137,14 +141,18 @@ def test_qwen2_with_bias_converts_and_round_trips(tmp_path, recipe):
     base = save_base(tmp_path / "tiny-qwen2", family="qwen2")
     assert convert(base, recipe, tmp_path / "out") == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["attention_bias"] is True and config["attention_out_bias"] is False
-    assert config["base_model_type"] == "qwen2"
+    assert config["model_type"] == "qwen2" and config["architectures"] == ["CCAQwen2ForCausalLM"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.o_proj.bias is None  # Qwen2's own q/k/v bias, none on o_proj
 
 
 def test_set_overrides_recipe_keys(base, recipe, tmp_path):
     assert convert(base, recipe, tmp_path / "out", "--set", "cca.group_size=8", "--set", "cca.pooling=query") == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["group_size"], config["pooling"]) == (8, "query")
+    assert (config["cca_group_size"], config["cca_pooling"]) == (8, "query")
 
 
 def test_overwrite_replaces_and_failures_leave_nothing(base, recipe, tmp_path, monkeypatch, capsys):
@@ -162,12 +170,12 @@ def test_overwrite_replaces_and_failures_leave_nothing(base, recipe, tmp_path, m
     assert convert(base, recipe, out, "--overwrite", "--set", "cca.group_size=8") == 2
     assert "simulated mismatch" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == before  # the old export is untouched
-    assert json.loads((out / "config.json").read_text())["group_size"] == 4
+    assert json.loads((out / "config.json").read_text())["cca_group_size"] == 4
     assert leftovers(tmp_path) == []
 
     monkeypatch.undo()
     assert convert(base, recipe, out, "--overwrite", "--set", "cca.group_size=8") == 0
-    assert json.loads((out / "config.json").read_text())["group_size"] == 8
+    assert json.loads((out / "config.json").read_text())["cca_group_size"] == 8
 
 
 BAD_RECIPES = {
@@ -265,7 +273,7 @@ def test_model_card_snippets_run_as_written_without_prompting(base, recipe, tmp_
     proc = subprocess.run([sys.executable, "-c", code], stdin=subprocess.PIPE, capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ran " in proc.stdout and "CCAForCausalLM" in proc.stdout
+    assert "ran " in proc.stdout and "CCALlamaForCausalLM" in proc.stdout
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
     assert "You are using a model of type" not in proc.stderr
     assert "transformers>=5.17" in card and "triton" in card
@@ -309,11 +317,12 @@ def test_sigterm_is_a_clean_interrupt(base, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ({"attn_backend": "Full"}, r"attn_backend must be one of \('auto', 'triton', 'reference', 'full'\), got 'Full'"),
-    ({"group_size": 2.5}, r"group_size must be an integer >= 1, got 2.5"),
-    ({"group_size": 0}, r"group_size must be an integer >= 1, got 0"),
-    ({"local_window": -1}, r"local_window must be an integer >= 1, got -1"),
-    ({"pooling": "mean"}, r"pooling must be one of \('kv', 'query'\), got 'mean'"),
+    ({"cca_attn_backend": "Full"}, r"cca_attn_backend must be one of \('auto', 'triton', 'reference', 'full'\), got 'Full'"),
+    ({"cca_group_size": 2.5}, r"cca_group_size must be an integer >= 1, got 2.5"),
+    ({"cca_group_size": 0}, r"cca_group_size must be an integer >= 1, got 0"),
+    ({"cca_local_window": -1}, r"cca_local_window must be an integer >= 1, got -1"),
+    ({"cca_pooling": "mean"}, r"cca_pooling must be one of \('kv', 'query'\), got 'mean'"),
+    ({"group_size": 8}, r"CCA settings are named cca_<name>, e.g. from_pretrained\(..., cca_group_size=...\)"),
 ])
 def test_bad_load_time_overrides_fail_at_load(base, recipe, tmp_path, override, message):
     from transformers import AutoModelForCausalLM
@@ -322,5 +331,5 @@ def test_bad_load_time_overrides_fail_at_load(base, recipe, tmp_path, override, 
     assert convert(base, recipe, out) == 0
     with pytest.raises(ValueError, match=message):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, **override)
-    ok = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, group_size=8, attn_backend="full")
-    assert (ok.config.group_size, ok.config.attn_backend) == (8, "full")
+    ok = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, cca_group_size=8, cca_attn_backend="full")
+    assert (ok.config.cca_group_size, ok.config.cca_attn_backend) == (8, "full")

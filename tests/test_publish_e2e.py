@@ -74,7 +74,7 @@ def test_convert_push_and_load_from_hub(tmp_path, hub_server, capsys, monkeypatc
     code = LOAD_FROM_HUB.replace("sys.argv[1]", repr(str(ids))).replace("sys.argv[2]", repr(str(logits)))
     hub_server.run_python(code,
                           cwd=tmp_path / "empty", HF_MODULES_CACHE=str(tmp_path / "modules"))  # empty module cache
-    assert any((tmp_path / "modules").rglob("modeling_cca.py"))  # the code came from the Hub repo
+    assert any((tmp_path / "modules").rglob("modeling_cca_llama.py"))  # the code came from the Hub repo
     with torch.no_grad():
         expected = load_cca_model(out, "cpu")(PROBE, use_cache=False).logits
     torch.testing.assert_close(torch.load(logits), expected, rtol=0, atol=1e-5)

@@ -22,7 +22,8 @@ class LoraSection(_Section):
     r: int = Field(16, ge=1, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj"], min_length=1)
+    target_modules: list[str] | None = Field(
+        None, min_length=1, description="modules to adapt (default: the family's q/k/v projections, e.g. qkv_proj)")
     save_adapter: bool = Field(True, description="also ship the unmerged adapter in the output's adapter/ folder")
 
 

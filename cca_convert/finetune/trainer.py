@@ -29,7 +29,6 @@ from ..errors import CCAError, first_line
 from .config import FinetuneSection
 from .data import build_sequences, describe
 
-QKV = ("q_proj", "k_proj", "v_proj")
 
 
 class FinetuneInterrupted(CCAError):
@@ -88,11 +87,23 @@ def lr_factor(ft: FinetuneSection, step: int) -> float:
     return ft.min_lr_ratio + (1.0 - ft.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lora_config(ft: FinetuneSection):
+def qkv_modules(config) -> tuple[str, ...]:
+    """The model's attention input projections (``qkv_proj`` for Phi-3, ``q_proj/k_proj/v_proj`` elsewhere)."""
+    from ..families import FAMILIES, QKV
+
+    family = FAMILIES.get(config.model_type)
+    return family.qkv if family else QKV
+
+
+def lora_targets(ft: FinetuneSection, config) -> list[str]:
+    return list(ft.lora.target_modules or qkv_modules(config))
+
+
+def lora_config(ft: FinetuneSection, config):
     from peft import LoraConfig
 
     return LoraConfig(r=ft.lora.r, lora_alpha=ft.lora.alpha, lora_dropout=ft.lora.dropout,
-                      target_modules=list(ft.lora.target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=lora_targets(ft, config), bias="none", task_type="CAUSAL_LM")
 
 
 def prepare_trainable(model, ft: FinetuneSection, upcast: bool):
@@ -106,14 +117,15 @@ def prepare_trainable(model, ft: FinetuneSection, upcast: bool):
         from peft import get_peft_model
 
         try:
-            model = get_peft_model(model, lora_config(ft))
+            model = get_peft_model(model, lora_config(ft, model.config))
         except ValueError as exc:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-            raise CCAError(f"finetune.lora.target_modules={ft.lora.target_modules}: {str(exc).splitlines()[0]} "
+            raise CCAError(f"finetune.lora.target_modules={lora_targets(ft, model.config)}: {str(exc).splitlines()[0]} "
                            f"(linear layers of this model: {', '.join(names)})") from None
     else:
+        qkv = qkv_modules(model.config)
         for name, p in model.named_parameters():
-            p.requires_grad_(ft.method == "full" or any(f".{m}." in f".{name}" for m in QKV))
+            p.requires_grad_(ft.method == "full" or any(f".{m}." in f".{name}" for m in qkv))
     if upcast:  # fp32 master copy of what is trained; compute runs under bf16 autocast
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
@@ -474,7 +486,7 @@ def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None
     if fsdp:  # rebuild an unsharded copy on rank 0 from the base weights and the gathered state
         from .. import published
 
-        cls = published.load("modeling_cca").CCAForCausalLM
+        cls = published.family_class(job.family)
         if (Path(job.base_dir) / "config.json").is_file():
             fresh = cls.from_pretrained(job.base_dir, config=job.config, dtype=torch.float32)
         else:  # no base files (benchmarks): every weight comes from the gathered state anyway
@@ -482,7 +494,7 @@ def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None
         if ft.method == "lora":
             from peft import get_peft_model
 
-            fresh = get_peft_model(fresh, lora_config(ft))
+            fresh = get_peft_model(fresh, lora_config(ft, fresh.config))
         fresh.load_state_dict(full_state)
         trained = fresh
     else:
@@ -504,11 +516,11 @@ def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None
     if (root / "tensorboard").is_dir():
         shutil.copytree(root / "tensorboard", out / "tensorboard", dirs_exist_ok=True)
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
-    job.card_extra += _card_section(ft, records, acc.num_processes)
+    job.card_extra += _card_section(ft, records, acc.num_processes, job.config)
 
 
-def _card_section(ft: FinetuneSection, records: list[dict], world: int) -> str:
-    what = {"lora": f"LoRA (r={ft.lora.r}, alpha={ft.lora.alpha:g}) on {', '.join(ft.lora.target_modules)}, merged into "
+def _card_section(ft: FinetuneSection, records: list[dict], world: int, config) -> str:
+    what = {"lora": f"LoRA (r={ft.lora.r}, alpha={ft.lora.alpha:g}) on {', '.join(lora_targets(ft, config))}, merged into "
                     "the weights" + (" (the adapter itself is in `adapter/`)" if ft.lora.save_adapter else ""),
             "qkv": "only the q/k/v projections trained (the paper's partial finetuning)",
             "full": "all parameters trained"}[ft.method]

@@ -21,26 +21,32 @@ from ..errors import CCAError
 LOGIT_BYTES = 2**28  # fp32 logits materialized at once: positions per chunk = LOGIT_BYTES / (4 * vocab)
 
 
+def _backend_field(config) -> str | None:
+    if hasattr(config, "cca_attn_backend"):  # a converted stock config
+        return "cca_attn_backend"
+    return "attn_backend" if hasattr(config, "attn_backend") else None  # model_type "cca" (first releases)
+
+
 @contextmanager
 def attention_backend(model, backend: str | None):
-    """Temporarily run a CCA model with ``config.attn_backend = backend`` ("full": the base model's causal
+    """Temporarily run a CCA model with its attention backend set to ``backend`` ("full": the base model's causal
     attention with the same weights). ``None`` leaves the model as it is."""
     configs = {}
     if backend is not None:
         for module in model.modules():
             config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "attn_backend"):
-                configs[id(config)] = config
+            if config is not None and _backend_field(config):
+                configs[id(config)] = (config, _backend_field(config))
         if not configs:
-            raise ValueError(f"{type(model).__name__} has no attn_backend to set to {backend!r}")
-    old = {key: config.attn_backend for key, config in configs.items()}
+            raise ValueError(f"{type(model).__name__} has no CCA attention backend to set to {backend!r}")
+    old = {key: getattr(config, field) for key, (config, field) in configs.items()}
     try:
-        for config in configs.values():
-            config.attn_backend = backend
+        for config, field in configs.values():
+            setattr(config, field, backend)
         yield model
     finally:
-        for key, config in configs.items():
-            config.attn_backend = old[key]
+        for key, (config, field) in configs.items():
+            setattr(config, field, old[key])
 
 
 @contextmanager

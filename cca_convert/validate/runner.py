@@ -118,8 +118,12 @@ class Suite:
 
 
 def model_info(config, name: str, base_model: str, finetuned: bool) -> dict:
-    return {"name": name, "base_model": base_model, "base_model_type": getattr(config, "base_model_type", None),
-            "group_size": config.group_size, "local_window": config.local_window, "pooling": config.pooling,
+    from ..families import cca_settings
+
+    settings = cca_settings(config)
+    return {"name": name, "base_model": base_model, "base_model_type": config.model_type,
+            "group_size": settings["group_size"], "local_window": settings["local_window"],
+            "pooling": settings["pooling"],
             "dtype": str(config.dtype), "finetuned": finetuned,
             "layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
 
@@ -286,8 +290,20 @@ def _recipe_for(folder: Path, args, repo_id: str | None):
 def load_cca_model(folder: Path, device: str):
     from .. import published
 
-    config = published.load("configuration_cca").CCAConfig.from_pretrained(folder)
-    model_cls = published.load("modeling_cca").CCAForCausalLM
+    from transformers import AutoConfig
+
+    from ..families import family_of
+
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("model_type") == "cca":  # exported by cca-convert's first releases
+        config = published.load("configuration_cca").CCAConfig.from_pretrained(folder)
+        model_cls = published.load("modeling_cca").CCAForCausalLM
+    else:
+        try:
+            model_cls = published.family_class(family_of(raw))
+        except ValueError as exc:
+            raise CCAError(f"{folder}: {exc}") from None
+        config = AutoConfig.from_pretrained(folder)
     return model_cls.from_pretrained(folder, config=config, dtype=config.dtype).to(device).eval()
 
 
@@ -320,8 +336,9 @@ def run_validate(argv: list[str]) -> int:
     folder = resolve_source(args.target, args.revision)
     if not (folder / "config.json").is_file():
         raise CCAError(f"{args.target} has no config.json: pass an exported CCA folder")
-    if json.loads((folder / "config.json").read_text()).get("model_type") != "cca":
-        raise CCAError(f"{args.target} is not a CCA model (config.json model_type is not 'cca'): convert it first")
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("model_type") != "cca" and "cca_group_size" not in raw:
+        raise CCAError(f"{args.target} is not a CCA model (its config.json has no cca_* settings): convert it first")
     output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
     recipe = _recipe_for(folder, args, repo_id)
     section = recipe.validate

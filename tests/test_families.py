@@ -1,0 +1,109 @@
+"""Every supported family through the real CLI, on tiny random checkpoints built from transformers' own configs.
+
+For each family (and the variants that take another path: tied embeddings + llama3 RoPE, Mistral with a sliding
+window, Qwen2 with sliding-window layers) ``cca-convert`` exits 0, and the exported repo, loaded as users load it:
+- with ``cca_attn_backend="full"`` equals the stock transformers model (fp32, 1e-5);
+- with ``cca_local_window >= L`` equals it too (CCA over a window covering the sequence is causal attention);
+- with a small window differs from it;
+- decodes greedily from its compressed cache exactly like a no-cache argmax loop (batch 2, left padding);
+and a LoRA or Q/K/V finetune step runs through the CLI and exports a model that round-trips.
+"""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from cca_convert.cli import main
+from cca_convert.families import FAMILIES
+from tests.factories import VARIANTS, family_and_overrides, save_base
+
+CASES = list(FAMILIES) + list(VARIANTS)
+RECIPE = """
+cca: {{group_size: 4, local_window: 8}}
+finetune:
+  enabled: {finetune}
+  method: {method}
+  data: {{files: [{data}]}}
+  seq_len: 48
+  micro_batch_size: 2
+  steps: 1
+  warmup_steps: 0
+  checkpoint_every: 0
+  gradient_checkpointing: false
+export: {{dtype: float32, roundtrip_tokens: 40}}
+validate: {{enabled: false}}
+"""
+
+
+def _convert(tmp_path, case, finetune=False, method="lora"):
+    family, overrides = family_and_overrides(case)
+    base = tmp_path / "base"
+    if not base.exists():
+        save_base(base, family=family, **overrides)
+    data = tmp_path / "train.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    recipe = tmp_path / f"recipe-{finetune}.yaml"
+    recipe.write_text(RECIPE.format(finetune=str(finetune).lower(), method=method, data=data))
+    out = tmp_path / f"out-{finetune}"
+    assert main([str(base), "--recipe", str(recipe), "--output", str(out)]) == 0
+    return base, out
+
+
+def _load(out, **overrides):
+    return transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, **overrides).eval()
+
+
+def _stock(base):
+    return transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa").eval()
+
+
+def _ids(bsz=2, length=40, seed=1):
+    return torch.randint(3, 96, (bsz, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_family_converts_and_keeps_the_base_model(tmp_path, case):
+    base, out = _convert(tmp_path, case)
+    config = json.loads((out / "config.json").read_text())
+    family = FAMILIES[config["model_type"]]
+    assert config["auto_map"] == {"AutoModelForCausalLM": f"{family.module}.{family.cca_class}"}
+    assert (out / f"{family.module}.py").is_file() and not (out / "modeling_cca.py").exists()
+
+    stock, x = _stock(base), _ids()
+    if case == "mistral-swa":  # CCA replaces the window (48 > L = 40: the stock model sees all keys here too)
+        assert config["sliding_window"] is None and config["cca_replaced_sliding_window"] == 48
+    with torch.no_grad():
+        want = stock(x, use_cache=False).logits
+        full = _load(out, cca_attn_backend="full")(x, use_cache=False).logits
+        wide = _load(out, cca_local_window=64)(x, use_cache=False).logits
+        cca = _load(out)
+        small = cca(x, use_cache=False).logits
+    torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wide, want, atol=1e-5, rtol=1e-5)
+    assert (small - want).abs().max() > 1e-3
+
+    # Greedy decode from the compressed cache == argmax loop without a cache, batch 2 with left padding.
+    prompt, mask = _ids(length=21, seed=2), torch.ones(2, 21, dtype=torch.long)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        got = cca.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        seq, m, done = prompt, mask, torch.zeros(2, 1, dtype=torch.bool)
+        for _ in range(12):  # as generate() does: a row that emitted eos (2) gets pad (0) from then on
+            nxt = cca(seq, attention_mask=m, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = nxt.masked_fill(done, 0)
+            done |= nxt == 2
+            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
+    assert torch.equal(got, seq)
+
+
+@pytest.mark.parametrize("case,method", [(f, "qkv" if i % 2 else "lora") for i, f in enumerate(FAMILIES)])
+def test_family_finetune_step_runs_and_exports(tmp_path, case, method):
+    base, out = _convert(tmp_path, case, finetune=True, method=method)
+    metrics = [json.loads(line) for line in (out / "finetune" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(torch.isfinite(torch.tensor(r["loss"])) for r in metrics if "loss" in r)
+    stock, tuned = _stock(base), _load(out, cca_attn_backend="full")
+    changed = [n for n, p in tuned.state_dict().items() if not torch.equal(p, stock.state_dict()[n])]
+    qkv = FAMILIES[json.loads((out / "config.json").read_text())["model_type"]].qkv
+    assert changed and all(any(f".{m}." in n for m in qkv) for n in changed), changed
