@@ -39,6 +39,7 @@ def tiny_config(family: str = "llama", **overrides):
     common = dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, use_cache=False,
+        pad_token_id=0,  # some families default to a pad id past the tiny vocabulary (Phi-3: 32000)
     )
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
@@ -94,5 +95,22 @@ def cca_model_from(base_model, **cca):
 
     config = cca_config_from(base_model.config, **cca)
     model = published.load("modeling_cca").CCAForCausalLM(config).eval()
+    model.load_state_dict(base_model.state_dict(), strict=True)
+    return model
+
+
+def cca_hf_model_from(base_model, **cca):
+    """The model the CLI exports for ``base_model`` (its family's stock class with CCA), same weights; ``cca`` takes
+    group_size / local_window / pooling / attn_backend."""
+    import copy
+
+    from cca_convert import published
+    from cca_convert.families import FAMILIES
+
+    config = copy.deepcopy(base_model.config)
+    for key, value in cca.items():
+        setattr(config, f"cca_{key}", value)
+    config._attn_implementation = "cca"
+    model = published.family_class(FAMILIES[config.model_type])(config).eval()
     model.load_state_dict(base_model.state_dict(), strict=True)
     return model

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tests.factories import cca_model_from, tiny_base_model
+from tests.factories import TINY, cca_hf_model_from, tiny_base_model
 
 pytest.importorskip("triton")
 
@@ -28,13 +28,16 @@ if not (HAS_CUDA or INTERPRET):
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def make_model(heads, kv_heads, head_dim, g, s, pooling, layers=2, seed=0):
-    base = tiny_base_model(
-        "llama", seed=seed, hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, num_hidden_layers=layers, intermediate_size=2 * heads * head_dim, vocab_size=96,
-        max_position_embeddings=4096,
-    )
-    return cca_model_from(base, group_size=g, local_window=s, pooling=pooling, attn_backend="reference")
+def make_model(heads, kv_heads, head_dim, g, s, pooling, layers=2, seed=0, family="llama"):
+    """The model the CLI exports (the family's stock class with CCA) on a tiny random checkpoint."""
+    shape = dict(TINY.get(family, {}))
+    shape.update(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 head_dim=head_dim, num_hidden_layers=layers, intermediate_size=2 * heads * head_dim, vocab_size=96,
+                 max_position_embeddings=4096)
+    if "layer_types" in shape:  # Gemma 3: local and global layers alternate
+        shape["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
+    base = tiny_base_model(family, seed=seed, **shape)
+    return cca_hf_model_from(base, group_size=g, local_window=s, pooling=pooling, attn_backend="reference")
 
 
 def make_batch(bsz, length, pad, seed=1, vocab=96):
@@ -58,7 +61,7 @@ def loss_and_grads(model, backend, batch, dtype, mode, checkpointing, lora):
     from cca_convert.finetune.trainer import prepare_trainable
 
     model = copy.deepcopy(model)
-    model.config.attn_backend = backend
+    model.config.cca_attn_backend = backend
     if mode == "pure":  # weights and compute in dtype
         model = model.to(dtype)
     torch.manual_seed(3)
@@ -113,6 +116,14 @@ def test_lora_training_step_matches_reference_interpreted():
     assert_same_training(model, make_batch(2, 37, pad=False), lora=True, checkpointing=True)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU variant: runs the kernels in Triton's interpreter")
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3_text"])
+def test_family_training_step_matches_reference_interpreted(family):
+    # q/k-norm (Qwen3), fused qkv_proj (Phi-3), local + global layers with query_pre_attn_scalar (Gemma 3)
+    model = make_model(heads=4, kv_heads=2, head_dim=16, g=4, s=8, pooling="kv", family=family)
+    assert_same_training(model, make_batch(2, 41, pad=True))
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 GPU_SHAPES = {  # (heads, kv_heads, head_dim): GQA 4:1, MHA, 5:1 with hd 80, 7:1 (Qwen-like), hd 128
     "gqa4-d64": (8, 2, 64), "mha-d64": (4, 4, 64), "gqa5-d80": (10, 2, 80), "gqa7-d128": (7, 1, 128),
@@ -141,3 +152,11 @@ def test_training_step_matches_reference_gpu(bsz, precision, shape, pooling):
 def test_training_step_finetune_modes_gpu(bsz, checkpointing, lora, pad):
     model = make_model(8, 2, 64, g=8, s=128, pooling="kv")
     assert_same_training(model, make_batch(bsz, 777, pad), torch.bfloat16, "autocast", checkpointing, lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "olmo2", "gemma3_text"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_family_training_step_gpu(family, lora):
+    model = make_model(8, 2, 64, g=8, s=128, pooling="kv", layers=2, family=family)
+    assert_same_training(model, make_batch(4, 777, pad=True), torch.bfloat16, "autocast", False, lora)
