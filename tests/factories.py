@@ -39,10 +39,12 @@ def tiny_config(family: str = "llama", **overrides):
     common = dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, use_cache=False,
-        pad_token_id=0,  # some families default to a pad id past the tiny vocabulary (Phi-3: 32000)
     )
     common.update(overrides)
-    return transformers.AutoConfig.for_model(family, **common)
+    config = transformers.AutoConfig.for_model(family, **common)
+    if config.pad_token_id is not None and config.pad_token_id >= config.vocab_size:  # Phi-3's default: 32000
+        config.pad_token_id = 0
+    return config
 
 
 def tiny_base_model(family: str = "llama", seed: int = 0, **overrides):
