@@ -118,6 +118,9 @@ def cca_attention_forward(module, query, key, value, attention_mask, scaling=Non
         raise ValueError(f"a {attention_mask.dim()}-D attention mask was passed: CCA's attention pattern is fixed (core "
                          "tokens + local window), so it takes only a 2-D padding mask (batch, columns); load the model "
                          "with attn_implementation='sdpa' to use custom masks without CCA")
+    # Under autocast the family's RoPE promotes bf16 q/k to fp32 (cos/sin are fp32) while v stays bf16: compute
+    # in v's dtype, as autocast would for SDPA (the kernels take one dtype).
+    query, key = query.to(value.dtype), key.to(value.dtype)
     if sliding_window is not None:
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
     (cos, sin), cache = module._cca_ctx
