@@ -119,6 +119,9 @@ def cca_settings(config) -> dict:
     """The CCA settings of a converted config under the recipe's names (``cca_*`` fields; the first releases'
     ``model_type: cca`` configs had them unprefixed)."""
     names = ("group_size", "local_window", "pooling", "attn_backend")
-    if hasattr(config, "cca_group_size"):
-        return {k: getattr(config, f"cca_{k}") for k in names}
-    return {k: getattr(config, k) for k in names}
+    if getattr(config, "model_type", None) == "cca":
+        return {k: getattr(config, k) for k in names}
+    from .published import load
+
+    defaults = load("cca_hf").DEFAULTS  # what the model itself uses for an unset field
+    return {k: getattr(config, f"cca_{k}", defaults[k]) for k in names}

@@ -13,7 +13,7 @@ from cca_convert.errors import CCAError
 from cca_convert.finetune.trainer import FinetuneInterrupted, stage_finetune
 from cca_convert.pipeline import STAGES, Job
 from cca_convert.recipe import Recipe, load_recipe
-from tests.factories import cca_model_from, tiny_base_model
+from tests.factories import cca_hf_model_from, tiny_base_model
 
 WORDS = ("the lord spake unto moses saying speak unto the children of israel and say unto them "
          "when any man of you bring an offering unto the lord ye shall bring your offering of the cattle").split()
@@ -69,7 +69,7 @@ def make_job(tmp_path: Path, corpus: Path, resume=False, overrides=(), seed=0, *
     for key, value in overrides:
         section, name = key.split(".", 1)
         setattr(getattr(recipe, section), name, value)
-    model = cca_model_from(tiny_base_model(seed=seed), group_size=4, local_window=8)
+    model = cca_hf_model_from(tiny_base_model(seed=seed), group_size=4, local_window=8)
     model.config.dtype = torch.float32
     job = Job(source="tiny", base_dir=corpus / "base", output=tmp_path / "out", recipe=recipe, resume=resume,
               device="cpu", log=lambda msg: None)
@@ -92,7 +92,7 @@ def test_loss_falls_and_only_the_method_s_weights_change(tmp_path, corpus, metho
     curve = losses(job)
     drop = 0.5 if method == "full" else 0.1  # a random tiny model: q/k/v alone move the loss less
     assert len(curve) == 8 and curve[-1] < curve[0] - drop, curve
-    assert job.finetuned and type(job.model).__name__ == "CCAForCausalLM"  # LoRA merged away
+    assert job.finetuned and type(job.model).__name__ == "CCALlamaForCausalLM"  # LoRA merged away
     after = job.model.state_dict()
     assert set(after) == set(before)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -136,7 +136,7 @@ def test_merged_lora_logits_equal_adapter_logits(tmp_path, corpus):
 
     job = make_job(tmp_path, corpus, steps=3, learning_rate=2e-2)
     stage_finetune(job)
-    base = cca_model_from(tiny_base_model(), group_size=4, local_window=8)
+    base = cca_hf_model_from(tiny_base_model(), group_size=4, local_window=8)
     ids = torch.randint(0, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = base(ids).logits

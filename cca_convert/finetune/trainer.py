@@ -442,7 +442,9 @@ def stage_finetune(job, on_step=None) -> None:
 
 
 def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoints) -> CCAError:
-    backend = job.config.attn_backend
+    from ..families import cca_settings
+
+    backend = cca_settings(job.config)["attn_backend"]
     if backend == "auto":
         backend = "auto (triton)" if str(job.device).startswith("cuda") else "auto (reference)"
     last = ckpts.latest()

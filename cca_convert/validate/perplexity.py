@@ -22,9 +22,11 @@ LOGIT_BYTES = 2**28  # fp32 logits materialized at once: positions per chunk = L
 
 
 def _backend_field(config) -> str | None:
-    if hasattr(config, "cca_attn_backend"):  # a converted stock config
-        return "cca_attn_backend"
-    return "attn_backend" if hasattr(config, "attn_backend") else None  # model_type "cca" (first releases)
+    if getattr(config, "model_type", None) == "cca":  # the first releases' configs
+        return "attn_backend"
+    if hasattr(config, "cca_attn_backend") or getattr(config, "_attn_implementation", None) == "cca":
+        return "cca_attn_backend"  # a converted stock config
+    return None
 
 
 @contextmanager
