@@ -13,19 +13,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from .errors import CCAError, first_line
+from .schema import Section
 
 TEXT_EXT = {".txt", ".text", ".md"}
 JSON_EXT = {".json", ".jsonl", ".ndjson"}
 PARQUET_EXT = {".parquet"}
 
 
-class TextSource(BaseModel):
+class TextSource(Section):
     """A ``datasets`` spec: a Hub dataset (or a builder name) and/or local files."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     dataset: str | None = Field(None, description="Hub dataset id, local dataset folder, or builder (json, parquet, text)")
     config: str | None = Field(None, validation_alias=AliasChoices("config", "dataset_config"),

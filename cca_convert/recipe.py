@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from .errors import CCAError
 from .finetune.config import FinetuneSection
+from .schema import Section
 from .validate.config import ValidateSection
 
 try:  # installed: pyproject maps recipes/ to cca_convert.recipes
@@ -25,10 +26,6 @@ try:  # installed: pyproject maps recipes/ to cca_convert.recipes
     RECIPES_DIR = Path(_recipes_pkg.__file__).parent
 except ImportError:  # a source checkout on PYTHONPATH, not installed
     RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class CCASection(Section):

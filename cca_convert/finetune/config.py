@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ..data import TextSource
+from ..schema import Section
 
 # Learning rate used when ``finetune.learning_rate`` is left unset.
 DEFAULT_LR = {"lora": 2e-4, "qkv": 5e-5, "full": 2e-5}
@@ -14,11 +15,7 @@ DEFAULT_LR = {"lora": 2e-4, "qkv": 5e-5, "full": 2e-5}
 RESUME_FREE_KEYS = {"enabled", "checkpoint_every", "log_every", "tensorboard"}
 
 
-class _Section(BaseModel):  # same rules as recipe.Section (not imported: recipe.py imports this module)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class LoraSection(_Section):
+class LoraSection(Section):
     r: int = Field(16, ge=1, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -34,7 +31,7 @@ class DataSection(TextSource):
     shuffle_buffer: int = Field(10_000, ge=1, description="streaming: documents in the shuffle buffer")
 
 
-class FinetuneSection(_Section):
+class FinetuneSection(Section):
     enabled: bool = False
     method: Literal["lora", "qkv", "full"] = Field(
         "lora", description="lora: LoRA adapters (merged before export); qkv: train only q/k/v projections; full")

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import warnings
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ..data import TextSource
+from ..schema import Section
 
 # The recipe key is ``validate:``; as a pydantic field it shadows the deprecated ``BaseModel.validate`` classmethod,
 # which nothing here uses (``Recipe.model_validate`` is the v2 name). recipe.py imports this module first.
 warnings.filterwarnings("ignore", message='Field name "validate" in "Recipe" shadows', category=UserWarning)
-
-
-class Section(BaseModel):  # same as recipe.Section (not imported from there: recipe.py imports this module)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class HeldoutData(TextSource):
