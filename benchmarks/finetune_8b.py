@@ -127,6 +127,8 @@ def run_one(args, model, backend, root: Path, resume=False, on_step=None):
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     trainer.stage_finetune(job, on_step=on_step)
+    if job.model is None:  # a non-main rank of a distributed run: rank 0 has the model and the metrics
+        raise SystemExit(0)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     metrics = [json.loads(ln) for ln in (job.staging / "finetune" / "metrics.jsonl").read_text().splitlines()]

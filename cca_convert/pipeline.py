@@ -185,10 +185,30 @@ STAGES: list[Stage] = [
 ]
 
 
-def run_job(job: Job) -> Path:
-    """Run every enabled stage; the output folder appears only if all of them pass."""
+def run_job(job: Job) -> Path | None:
+    """Run every enabled stage; the output folder appears only if all of them pass. Under ``accelerate launch``
+    only the main process writes the output; the others take part in the stages up to the finetune."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:
+            return _run_worker(job)
     with export.OutputLock(job.output):
         return _run_stages(job)
+
+
+def _run_worker(job: Job) -> None:
+    job.log = lambda msg: None
+    if not stage_enabled(job, "finetune"):
+        return None  # nothing here needs more than one process
+    for stage in STAGES:
+        if stage.name in ("preflight", "export", "roundtrip") or stage.after_commit or not stage.enabled(job):
+            continue  # output checks and writing are the main process's
+        if stage.name == "finetune":
+            stage.run(job)
+            return None
+        stage.run(job)
+    return None
 
 
 def _run_stages(job: Job) -> Path:

@@ -83,7 +83,7 @@ def _capture(module, args, kwargs):
     if "position_embeddings" not in kwargs:
         raise RuntimeError(f"{type(module).__name__} was not called with position_embeddings=...: this transformers "
                            "version is not supported by CCA's attention hook")
-    module._cca_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"))
+    module._cca_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"), _attention)
 
 
 def _unrope(module, x, cos, sin):
@@ -105,9 +105,19 @@ def _sliding_attention(module, query, key, value, mask_2d, scaling, window):
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
 
 
-def cca_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                          softcap=None, **kwargs):
-    """The "cca" attention function: (B, H, L, d) post-RoPE q/k in, (B, L, H, d) out, no attention weights."""
+def cca_attention_forward(module, *args, **kwargs):
+    """The function registered as "cca". Each exported repo ships its own copy of this file and several may be
+    loaded in one process, while the registry holds one function: run the copy that built ``module``."""
+    ctx = getattr(module, "_cca_ctx", None)
+    if ctx is None:
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation='cca' but was not built by a CCA model "
+                           "class (CCAModelMixin registers the hook that feeds it)")
+    return ctx[2](module, *args, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+               softcap=None, **kwargs):
+    """CCA attention: (B, H, L, d) post-RoPE q/k in, (B, L, H, d) out, no attention weights."""
     # Refused, not approximated: each would silently change the base model's attention.
     if softcap is not None:
         raise ValueError(f"this model caps attention logits (softcap={softcap}), which the CCA kernels do not "
@@ -123,7 +133,7 @@ def cca_attention_forward(module, query, key, value, attention_mask, scaling=Non
     query, key = query.to(value.dtype), key.to(value.dtype)
     if sliding_window is not None:
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
-    (cos, sin), cache = module._cca_ctx
+    (cos, sin), cache, _ = module._cca_ctx
     settings = CCASettings(module.config)
     if settings.attn_backend == "full":
         out = full_causal_attention(query, key, value, attention_mask, scaling)

@@ -96,6 +96,13 @@ def test_family_converts_and_keeps_the_base_model(tmp_path, case):
             done |= nxt == 2
             seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
     assert torch.equal(got, seq)
+    # and the logits themselves (a tiny model's argmax can hide a wrong decode): cached steps == no cache
+    with torch.no_grad():
+        want = cca(seq, attention_mask=m, use_cache=False).logits[:, 21:]
+        cache = cca(seq[:, :21], attention_mask=m[:, :21], use_cache=True).past_key_values
+        steps = [cca(seq[:, i:i + 1], attention_mask=m[:, :i + 1], past_key_values=cache, use_cache=True).logits
+                 for i in range(21, seq.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case,method", [(f, "qkv" if i % 2 else "lora") for i, f in enumerate(FAMILIES)])
@@ -132,3 +139,23 @@ def test_family_triton_on_gpu_matches_reference(tmp_path, case):
             steps = triton_model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
             full = reference(seq, attention_mask=mask, use_cache=False).logits[:, -1]
             torch.testing.assert_close(steps.logits[:, -1], full, atol=2e-4, rtol=2e-4)
+
+
+def test_models_from_two_copies_of_the_code_share_a_process(tmp_path):
+    """Every exported repo ships its own copy of cca_hf.py and each import re-registers "cca" in transformers'
+    one registry. A model must still run its own copy: here the in-process (cca_convert) model decodes after a
+    repo's copy was loaded last, and both equal their no-cache loops."""
+    from cca_convert import published
+
+    _, out = _convert(tmp_path, "qwen3")
+    remote = _load(out)  # transformers_modules' copy registers "cca" last
+    local = published.family_class(FAMILIES["qwen3"]).from_pretrained(out).eval()
+    assert type(remote).__module__ != type(local).__module__
+    seq = _ids(bsz=1, length=30, seed=3)
+    for model in (local, remote):  # logits, not tokens: a tiny model's argmax can hide a wrong decode
+        with torch.no_grad():
+            want = model(seq, use_cache=False).logits[:, 21:]
+            cache = model(seq[:, :21], use_cache=True).past_key_values
+            got = torch.cat([model(seq[:, i:i + 1], past_key_values=cache, use_cache=True).logits
+                             for i in range(21, 30)], 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

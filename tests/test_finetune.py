@@ -257,3 +257,41 @@ def test_non_finite_loss_stops_at_that_step_and_keeps_the_last_good_checkpoint(t
     state = json.loads((job.work_dir / "finetune" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 2 and not state.get("finished")
     assert not (job.staging / "finetune").exists()
+
+
+@pytest.mark.parametrize("schedule,at_end", [("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)])
+def test_lr_schedules_are_transformers_own_and_end_at_min_lr(schedule, at_end):
+    from transformers import get_scheduler
+
+    from cca_convert.finetune.config import FinetuneSection
+    from cca_convert.finetune.trainer import SCHEDULES
+
+    ft = FinetuneSection(lr_schedule=schedule, warmup_steps=4, steps=20, learning_rate=1e-3, min_lr_ratio=0.1)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=ft.lr)
+    name, kwargs = SCHEDULES[schedule](ft)
+    sched = get_scheduler(name, opt, num_warmup_steps=4, num_training_steps=20, scheduler_specific_kwargs=kwargs)
+    lrs = []
+    for _ in range(20):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert max(lrs) == pytest.approx(1e-3) and lrs.index(max(lrs)) in (3, 4)  # the peak ends the warmup
+    assert lrs[:4] == sorted(lrs[:4]) and lrs[0] < 1e-3
+    # the last step runs at the floor (cosine), or the schedule reaches it as it ends (linear, constant)
+    assert min(lrs[-1], sched.get_last_lr()[0]) == pytest.approx(at_end * 1e-3, rel=1e-6)
+
+
+def test_a_worker_rank_runs_only_up_to_the_finetune_and_writes_no_output(tmp_path, monkeypatch):
+    """Under ``accelerate launch`` the non-main ranks join the stages up to the finetune and stop there: no lock,
+    no staging folder, no export (rank 0 does those)."""
+    from cca_convert import pipeline
+
+    ran = []
+    stages = [pipeline.Stage(n, lambda job, n=n: ran.append(n)) for n in
+              ("convert", "preflight", "load", "baseline", "finetune", "validate", "export", "roundtrip")]
+    monkeypatch.setattr(pipeline, "STAGES", stages)
+    recipe = Recipe.model_validate({"finetune": {"enabled": True, "data": {"files": ["x.txt"]}}})
+    job = Job(source="tiny", base_dir=tmp_path, output=tmp_path / "out", recipe=recipe, device="cpu")
+    assert pipeline._run_worker(job) is None
+    assert ran == ["convert", "load", "baseline", "finetune"]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

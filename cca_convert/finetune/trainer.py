@@ -20,7 +20,10 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,18 +76,6 @@ def load_tokenizer(job):
 
 # --------------------------------------------------------------------------------------------------
 # model preparation
-
-
-def lr_factor(ft: FinetuneSection, step: int) -> float:
-    """LR multiplier for the optimizer step that follows ``step`` completed ones."""
-    if step < ft.warmup_steps:
-        return (step + 1) / ft.warmup_steps
-    if ft.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - ft.warmup_steps) / max(1, ft.steps - ft.warmup_steps))
-    if ft.lr_schedule == "linear":
-        return 1.0 - (1.0 - ft.min_lr_ratio) * progress
-    return ft.min_lr_ratio + (1.0 - ft.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def qkv_modules(config) -> tuple[str, ...]:
@@ -298,147 +289,190 @@ def _mixed_precision(ft: FinetuneSection, device: str) -> str:
     return "bf16" if on else "no"
 
 
+@dataclass
+class Run:
+    """One finetune in progress: what ``prepare`` builds and ``resume``, ``loop`` and ``finish`` use."""
+
+    job: Any
+    acc: Any
+    ft: FinetuneSection
+    root: Path
+    ckpts: Checkpoints
+    log: Callable[[str], None]
+    resume_from: Path | None
+    finished: bool  # the checkpoint is of a completed run of this recipe: nothing to train
+    data: Any = None
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    params: list = field(default_factory=list)
+    use_cache: bool = True
+    start: int = 0
+    meta: dict = field(default_factory=dict)
+
+
 def stage_finetune(job, on_step=None) -> None:
     """Train ``job.model`` in place per ``job.recipe.finetune``; ``on_step(step, record)`` is a test hook."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from tqdm.auto import tqdm
 
     ft = job.recipe.finetune
     check_seq_len(job)
     tokenizer, eos_id, pad_id = load_tokenizer(job)
-
     acc = Accelerator(cpu=str(job.device) == "cpu", mixed_precision=_mixed_precision(ft, str(job.device)))
-    main, world, rank = acc.is_main_process, acc.num_processes, acc.process_index
+    run = prepare(job, acc, tokenizer, eos_id, pad_id)
+    resume(run)
+    loop(run, on_step)
+    finish(run)
+
+
+def prepare(job, acc, tokenizer, eos_id: int, pad_id: int) -> Run:
+    """Checkpoint state and data first (every problem before any weight is touched), then the trainable model,
+    the optimizer and transformers' LR schedule, all through ``acc.prepare``."""
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    ft, main, world, rank = job.recipe.finetune, acc.is_main_process, acc.num_processes, acc.process_index
     log = job.log if main else (lambda msg: None)
-    try:
-        root = job.work_dir / "finetune"
-        ckpts = Checkpoints(root, acc)
-        resume_from = ckpts.latest()
-        finished = resume_from is not None and ckpts.read_state(resume_from).get("finished", False)
-        if resume_from is not None and not job.resume and not finished:
-            step = ckpts.read_state(resume_from).get("step")
-            raise CCAError(f"an interrupted finetune left a checkpoint (step {step}) in {root}: re-run with --resume "
-                           f"to continue it, or delete that folder to start over")
-        if finished:  # e.g. a re-run with --force after a failed gate: the same recipe's training is done
-            log(f"  reusing the finished finetune in {resume_from} (same recipe; delete {root} to train again)")
-        if job.resume and resume_from is None:
-            log(f"  --resume: no finetune checkpoint in {root}; starting from step 0")
-        if resume_from is not None:
-            saved = ckpts.read_state(resume_from)
-            _check_resumable(saved, job, world)
+    root = job.work_dir / "finetune"
+    ckpts = Checkpoints(root, acc)
+    resume_from = ckpts.latest()
+    finished = resume_from is not None and ckpts.read_state(resume_from).get("finished", False)
+    if resume_from is not None and not job.resume and not finished:
+        step = ckpts.read_state(resume_from).get("step")
+        raise CCAError(f"an interrupted finetune left a checkpoint (step {step}) in {root}: re-run with --resume "
+                       f"to continue it, or delete that folder to start over")
+    if finished:  # e.g. a re-run with --force after a failed gate: the same recipe's training is done
+        log(f"  reusing the finished finetune in {resume_from} (same recipe; delete {root} to train again)")
+    if job.resume and resume_from is None:
+        log(f"  --resume: no finetune checkpoint in {root}; starting from step 0")
+    if resume_from is not None:
+        _check_resumable(ckpts.read_state(resume_from), job, world)
+    run = Run(job, acc, ft, root, ckpts, log, resume_from, finished)
 
-        # Data first: every data problem is reported before any weight is touched. A finished run reads none.
-        data = None if finished else build_sequences(ft, tokenizer, eos_id, pad_id, rank, world, log)
-        vocab = job.config.vocab_size
-        if getattr(data, "seqs", None) is not None and len(data.seqs) and max(int(s.max()) for s in data.seqs) >= vocab:
-            raise CCAError(f"the tokenizer of {job.base_dir} yields ids >= the model's vocab_size={vocab}")
+    run.data = None if finished else build_sequences(ft, tokenizer, eos_id, pad_id, rank, world, log)
+    vocab = job.config.vocab_size
+    seqs = getattr(run.data, "seqs", None)
+    if seqs is not None and len(seqs) and max(int(x.max()) for x in seqs) >= vocab:
+        raise CCAError(f"the tokenizer of {job.base_dir} yields ids >= the model's vocab_size={vocab}")
 
-        from accelerate.utils import set_seed
+    set_seed(ft.seed)
+    model = job.model
+    run.use_cache, model.config.use_cache = model.config.use_cache, False
+    if acc.distributed_type.value == "FSDP":  # FSDP flattens parameters of one dtype; its policy casts for compute
+        model.float()
+    model = prepare_trainable(model, ft, upcast=acc.mixed_precision == "bf16")
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    log(f"  method {ft.method}: {n_train / 1e6:.2f}M trainable of {n_all / 1e6:.1f}M parameters; "
+        f"{world} process(es), {acc.distributed_type.value}, mixed precision {acc.mixed_precision}")
 
-        set_seed(ft.seed)
-        fsdp = acc.distributed_type.value == "FSDP"
-        upcast = acc.mixed_precision == "bf16"
-        model = job.model
-        use_cache = model.config.use_cache
-        model.config.use_cache = False
-        if fsdp:  # FSDP flattens parameters of one dtype; its mixed-precision policy casts for compute
-            model.float()
-        model = prepare_trainable(model, ft, upcast)
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        n_all = sum(p.numel() for p in model.parameters())
-        log(f"  method {ft.method}: {n_train / 1e6:.2f}M trainable of {n_all / 1e6:.1f}M parameters; "
-            f"{world} process(es), {acc.distributed_type.value}, mixed precision {acc.mixed_precision}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ft.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=ft.lr, betas=tuple(ft.adam_betas))
+    run.model, run.optimizer = acc.prepare(model, optimizer)  # together: FSDP2 swaps the parameters
+    run.params = [p for p in run.model.parameters() if p.requires_grad]
+    name, kwargs = SCHEDULES[ft.lr_schedule](ft)
+    run.scheduler = get_scheduler(name, run.optimizer, num_warmup_steps=ft.warmup_steps,
+                                  num_training_steps=ft.steps, scheduler_specific_kwargs=kwargs)
+    run.meta = {"fingerprint": _fingerprint(job), "world": world, "steps": ft.steps}
+    return run
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": ft.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=ft.lr, betas=tuple(ft.adam_betas))
-        model, optimizer = acc.prepare(model, optimizer)  # together: FSDP2 swaps the parameters
-        params = [p for p in model.parameters() if p.requires_grad]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(ft, s))
 
-        start = 0
-        if resume_from is not None:
-            ckpts.load(resume_from, model, optimizer, scheduler)
-            start = ckpts.read_state(resume_from)["step"]
-            log(f"  resumed from {resume_from} at step {start}/{ft.steps}")
-        else:
-            if main:
-                shutil.rmtree(root, ignore_errors=True)
-                root.mkdir(parents=True)
-            acc.wait_for_everyone()
-            set_seed(ft.seed + rank)  # dropout masks differ across ranks, the same across restarts
+# recipe's lr_schedule -> transformers' get_scheduler name and its arguments (every one ends at min_lr_ratio x lr,
+# except constant)
+SCHEDULES = {
+    "cosine": lambda ft: ("cosine_warmup_with_min_lr", {"min_lr_rate": ft.min_lr_ratio}),
+    "linear": lambda ft: ("polynomial", {"lr_end": ft.lr * ft.min_lr_ratio, "power": 1.0}),
+    "constant": lambda ft: ("constant_with_warmup", {}),
+}
 
-        metrics = Metrics(root, main, ft.tensorboard, keep_until=start)
-        meta = {"fingerprint": _fingerprint(job), "world": world, "steps": ft.steps}
-        ga, mb = ft.gradient_accumulation_steps, ft.micro_batch_size
-        log(f"  {ft.steps} steps x {ga} micro-batches x {mb} x {world} process(es) x {ft.seq_len} tokens, "
+
+def resume(run: Run) -> None:
+    """Continue from the checkpoint (weights, optimizer, schedule, RNG), or start a fresh checkpoint folder."""
+    acc, ft = run.acc, run.ft
+    if run.resume_from is not None:
+        run.ckpts.load(run.resume_from, run.model, run.optimizer, run.scheduler)
+        run.start = run.ckpts.read_state(run.resume_from)["step"]
+        run.log(f"  resumed from {run.resume_from} at step {run.start}/{ft.steps}")
+        return
+    from accelerate.utils import set_seed
+
+    if acc.is_main_process:
+        shutil.rmtree(run.root, ignore_errors=True)
+        run.root.mkdir(parents=True)
+    acc.wait_for_everyone()
+    set_seed(ft.seed + acc.process_index)  # dropout masks differ across ranks, the same across restarts
+
+
+def loop(run: Run, on_step=None) -> None:
+    """Optimizer steps from ``run.start`` to ``ft.steps``: accumulation, clipping, a non-finite check before each
+    update, metrics, periodic checkpoints; SIGINT/SIGTERM checkpoint and stop."""
+    from tqdm.auto import tqdm
+
+    job, acc, ft, ckpts, model = run.job, run.acc, run.ft, run.ckpts, run.model
+    main, world = acc.is_main_process, acc.num_processes
+    metrics = Metrics(run.root, main, ft.tensorboard, keep_until=run.start)
+    ga, mb = ft.gradient_accumulation_steps, ft.micro_batch_size
+    run.log(f"  {ft.steps} steps x {ga} micro-batches x {mb} x {world} process(es) x {ft.seq_len} tokens, "
             f"lr {ft.lr:g} ({ft.lr_schedule}, warmup {ft.warmup_steps})")
-
-        batches = data.batches(start_micro=start * ga) if data is not None else iter(())
-        bar = tqdm(total=ft.steps, initial=start, disable=not main, unit="step", desc="  finetune", dynamic_ncols=True)
-        step, first_loss, last_loss, t_begin, tokens_total = start, None, None, time.perf_counter(), 0
-        with StopOnSignal(bar.write if main else (lambda m: None)) as stop:
-            while step < ft.steps:
-                if _agree(acc, stop.signum is not None):
-                    ckpts.save(step, model, optimizer, scheduler, meta)
-                    name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
-                    raise FinetuneInterrupted(
-                        f"finetune interrupted ({name}) after step {step}/{ft.steps}; checkpoint saved in {ckpts.path}: "
-                        "re-run the same command with --resume to continue")
-                t0 = time.perf_counter()
-                losses, n_tok = [], 0
-                for i in range(ga):
-                    batch = {k: v.to(acc.device) for k, v in next(batches).items()}
-                    n_tok += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-                    sync = contextlib.nullcontext() if i == ga - 1 else acc.no_sync(model)
-                    with sync:
-                        loss = model(**batch).loss
-                        acc.backward(loss / ga)
-                    losses.append(loss.detach().float())
-                # max_norm inf measures the norm without clipping: it is checked below either way.
-                grad_norm = float(acc.clip_grad_norm_(params, ft.max_grad_norm or math.inf))
-                loss_t = torch.stack(losses).mean()
-                tok_t = torch.tensor([n_tok], device=acc.device, dtype=torch.float64)
-                if world > 1:
-                    loss_t, tok_t = acc.reduce(loss_t, "mean"), acc.reduce(tok_t, "sum")
-                loss_v, step_tokens = loss_t.item(), int(tok_t.item())
-                if not (math.isfinite(loss_v) and math.isfinite(grad_norm)):  # before the update: weights stay good
-                    raise _non_finite(job, step + 1, loss_v, grad_norm, ckpts)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                dt = time.perf_counter() - t0
-                tokens_total += step_tokens
-                first_loss = loss_v if first_loss is None else first_loss
-                last_loss = loss_v
-                record = {"step": step, "loss": loss_v, "lr": lr,
-                          "grad_norm": grad_norm,
-                          "tokens": step_tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
-                if step % ft.log_every == 0 or step == ft.steps:
-                    metrics.log(record)
-                bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{step_tokens / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
-                bar.update(1)
-                if ft.checkpoint_every and step % ft.checkpoint_every == 0 and step < ft.steps:
-                    ckpts.save(step, model, optimizer, scheduler, meta)
-                if on_step is not None:
-                    on_step(step, record)
-        bar.close()
-        metrics.close()
-        if step > start or resume_from is None:
-            ckpts.save(step, model, optimizer, scheduler, {**meta, "finished": True})
-        elapsed = time.perf_counter() - t_begin
-        if step > start:
-            log(f"  trained steps {start + 1}-{step}: loss {first_loss:.4f} -> {last_loss:.4f}, "
+    batches = run.data.batches(start_micro=run.start * ga) if run.data is not None else iter(())
+    bar = tqdm(total=ft.steps, initial=run.start, disable=not main, unit="step", desc="  finetune", dynamic_ncols=True)
+    step, first_loss, last_loss, t_begin, tokens_total = run.start, None, None, time.perf_counter(), 0
+    with StopOnSignal(bar.write if main else (lambda m: None)) as stop:
+        while step < ft.steps:
+            if _agree(acc, stop.signum is not None):
+                ckpts.save(step, model, run.optimizer, run.scheduler, run.meta)
+                name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
+                raise FinetuneInterrupted(
+                    f"finetune interrupted ({name}) after step {step}/{ft.steps}; checkpoint saved in {ckpts.path}: "
+                    "re-run the same command with --resume to continue")
+            t0 = time.perf_counter()
+            losses, n_tok = [], 0
+            for i in range(ga):
+                batch = {k: v.to(acc.device) for k, v in next(batches).items()}
+                n_tok += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                sync = contextlib.nullcontext() if i == ga - 1 else acc.no_sync(model)
+                with sync:
+                    loss = model(**batch).loss
+                    acc.backward(loss / ga)
+                losses.append(loss.detach().float())
+            # max_norm inf measures the norm without clipping: it is checked below either way.
+            grad_norm = float(acc.clip_grad_norm_(run.params, ft.max_grad_norm or math.inf))
+            loss_t = torch.stack(losses).mean()
+            tok_t = torch.tensor([n_tok], device=acc.device, dtype=torch.float64)
+            if world > 1:
+                loss_t, tok_t = acc.reduce(loss_t, "mean"), acc.reduce(tok_t, "sum")
+            loss_v, step_tokens = loss_t.item(), int(tok_t.item())
+            if not (math.isfinite(loss_v) and math.isfinite(grad_norm)):  # before the update: weights stay good
+                raise _non_finite(job, step + 1, loss_v, grad_norm, ckpts)
+            lr = run.scheduler.get_last_lr()[0]
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            step += 1
+            dt = time.perf_counter() - t0
+            tokens_total += step_tokens
+            first_loss = loss_v if first_loss is None else first_loss
+            last_loss = loss_v
+            record = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
+                      "tokens": step_tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
+            if step % ft.log_every == 0 or step == ft.steps:
+                metrics.log(record)
+            bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{step_tokens / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
+            bar.update(1)
+            if ft.checkpoint_every and step % ft.checkpoint_every == 0 and step < ft.steps:
+                ckpts.save(step, model, run.optimizer, run.scheduler, run.meta)
+            if on_step is not None:
+                on_step(step, record)
+    bar.close()
+    metrics.close()
+    if step > run.start or run.resume_from is None:
+        ckpts.save(step, model, run.optimizer, run.scheduler, {**run.meta, "finished": True})
+    elapsed = time.perf_counter() - t_begin
+    if step > run.start:
+        run.log(f"  trained steps {run.start + 1}-{step}: loss {first_loss:.4f} -> {last_loss:.4f}, "
                 f"{tokens_total:,} tokens in {elapsed:.1f}s ({tokens_total / max(elapsed, 1e-9):,.0f} tokens/s)")
-        _finish(job, acc, model, ft, root, use_cache)
-    finally:
-        if world == 1:  # let a later stage (or test) build a fresh Accelerator with other settings
-            AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoints) -> CCAError:
@@ -477,18 +511,24 @@ def _check_resumable(saved: dict, job, world: int) -> None:
                        "restore it, or delete the checkpoint folder to start over")
 
 
-def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None:
-    """Merge/unwrap the trained model into ``job.model`` (rank 0); other ranks leave the pipeline."""
+def finish(run: Run) -> None:
+    """Merge/unwrap the trained model into ``job.model`` and ship its metrics (rank 0). Other ranks of a
+    distributed run end with ``job.model = None``: the pipeline stops there for them (rank 0 exports)."""
+    job, acc, ft, model = run.job, run.acc, run.ft, run.model
     acc.wait_for_everyone()
     fsdp = acc.distributed_type.value == "FSDP"
     full_state = acc.get_state_dict(model) if fsdp else None  # collective: every rank takes part
     if not acc.is_main_process:
         job.model = None
-        raise SystemExit(0)  # rank 0 exports; the others are done
+        return
     if fsdp:  # rebuild an unsharded copy on rank 0 from the base weights and the gathered state
         from .. import published
 
-        cls = published.family_class(job.family)
+        from ..families import FAMILIES
+
+        model_type = job.config.model_type  # "cca": the first releases' model (the 8B benchmark builds one)
+        cls = (published.family_class(FAMILIES[model_type]) if model_type in FAMILIES
+               else published.load("modeling_cca").CCAForCausalLM)
         if (Path(job.base_dir) / "config.json").is_file():
             fresh = cls.from_pretrained(job.base_dir, config=job.config, dtype=torch.float32)
         else:  # no base files (benchmarks): every weight comes from the gathered state anyway
@@ -508,8 +548,9 @@ def _finish(job, acc, model, ft: FinetuneSection, root: Path, use_cache) -> None
         trained = trained.merge_and_unload()
     (getattr(trained, "activation_checkpointing_disable", None) or trained.gradient_checkpointing_disable)()
     trained = trained.to(device=job.device, dtype=job.dtype).eval()
-    trained.config.use_cache = use_cache
+    trained.config.use_cache = run.use_cache
     job.model, job.finetuned = trained, True
+    root = run.root
 
     out = job.staging / "finetune"
     out.mkdir(parents=True, exist_ok=True)
