@@ -2,8 +2,9 @@
 recipes, the finetune (which projections are Q/K/V) and the tests.
 
 A family's CCA model is transformers' own causal-LM class with ``CCAModelMixin`` in front (``modeling/cca_hf.py``);
-the exported repo's ``modeling_cca_<model_type>.py`` is generated from the row (``modeling_source``). Adding a
-family = a row here + a shipped recipe + its tiny checkpoint in ``tests/test_families.py``. What the row cannot
+the exported repo's ``modeling_cca_<model_type>.py`` is generated from the row (``published.modeling_source``).
+Adding a family = a row here + a shipped recipe (+ tiny-checkpoint sizes in ``tests/factories.TINY`` if the
+defaults do not fit). What the row cannot
 express is refused by ``config_problems`` with the reason, never converted approximately.
 """
 
@@ -95,24 +96,6 @@ def replaces_sliding_window(config) -> bool:
         return False
     types = getattr(config, "layer_types", None)
     return types is None or all(t == "sliding_attention" for t in types)
-
-
-def modeling_source(family: Family) -> str:
-    """The exported ``modeling_cca_<model_type>.py``: the stock class with CCA's mixin in front."""
-    return f'''"""{family.names} with Core Context Aware attention: transformers' own {family.causal_lm}, whose full
-attention layers run CCA (cca_hf.py says how; everything else is the stock model)."""
-
-from transformers import {family.causal_lm}
-
-from .cca_hf import CCAModelMixin
-
-
-class {family.cca_class}(CCAModelMixin, {family.causal_lm}):
-    pass
-
-
-__all__ = ["{family.cca_class}"]
-'''
 
 
 def cca_settings(config) -> dict:

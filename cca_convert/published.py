@@ -12,8 +12,6 @@ import sys
 import types
 from pathlib import Path
 
-from .families import Family, modeling_source
-
 try:  # installed: pyproject maps modeling/ and kernels/ to cca_convert.modeling / cca_convert.kernels
     from . import kernels as _kernels_pkg
     from . import modeling as _modeling_pkg
@@ -44,14 +42,33 @@ def published_paths() -> list[Path]:
     return [folder / name for name, folder in PUBLISHED_FILES.items() if (folder / name).exists()]
 
 
-def write_code(folder: Path, family: Family) -> None:
+def modeling_source(family) -> str:
+    """The exported ``modeling_cca_<model_type>.py`` of a ``families.Family`` row: the stock class with CCA's
+    mixin in front."""
+    return f'''"""{family.names} with Core Context Aware attention: transformers' own {family.causal_lm}, whose full
+attention layers run CCA (cca_hf.py says how; everything else is the stock model)."""
+
+from transformers import {family.causal_lm}
+
+from .cca_hf import CCAModelMixin
+
+
+class {family.cca_class}(CCAModelMixin, {family.causal_lm}):
+    pass
+
+
+__all__ = ["{family.cca_class}"]
+'''
+
+
+def write_code(folder: Path, family) -> None:
     """The published files plus the family's modeling file, into an export folder."""
     for path in published_paths():
         shutil.copyfile(path, folder / path.name)
     (folder / f"{family.module}.py").write_text(modeling_source(family))
 
 
-def family_class(family: Family) -> type:
+def family_class(family) -> type:
     """The family's CCA class, from exactly the source its exported repo gets."""
     name = f"{PACKAGE}.{family.module}"
     if name not in sys.modules:
