@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from cca_convert import published
-from tests.factories import cca_model_from, tiny_base_model
+from cca_convert.families import FAMILIES as TABLE
+from tests.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
 
 hf = published.load("cca_hf")
 
@@ -18,34 +19,14 @@ hf = published.load("cca_hf")
 def cca_class(base):
     return type(f"CCA{base.__name__}", (hf.CCAModelMixin, base), {})
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, use_cache=False)
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),  # q/k-norm
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),  # fused qkv_proj
-    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),  # q/k-norm over all heads, post-norms
-}
+FAMILIES = list(TABLE)  # every supported family, from the one table
 
 
 def stock_and_cca(family, g=4, s=8, seed=0):
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = config_cls(**COMMON, **extra)
-    config._attn_implementation = "sdpa"
-    stock = model_cls(config).eval()
-    for p in stock.parameters():  # stock inits leave some norms at exactly 1 and biases at 0: perturb all
-        torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
-    cca_config = copy.deepcopy(config)
-    cca_config.cca_group_size, cca_config.cca_local_window, cca_config.cca_attn_backend = g, s, "reference"
-    cca_config._attn_implementation = "cca"
-    cca = cca_class(model_cls)(cca_config).eval()
-    cca.load_state_dict(stock.state_dict())
-    return stock, cca
+    """A tiny random stock model of ``family`` and the same weights in its CCA class (reference backend)."""
+    stock = tiny_base_model(family, seed=seed, **{"max_position_embeddings": 256, "head_dim": 16, "bos_token_id": 1,
+                                                  "eos_token_id": 2, "pad_token_id": 0, **TINY.get(family, {})})
+    return stock, cca_hf_model_from(stock, group_size=g, local_window=s, attn_backend="reference")
 
 
 def ids(bsz=2, length=37, seed=1):
@@ -123,15 +104,8 @@ def test_triton_backend_through_the_stock_classes_matches_the_reference():
 def test_sliding_window_layers_keep_their_own_attention():
     """A sliding-window layer is not CCA's to change: with every layer sliding (Mistral as stored; the converter
     is what replaces such a window) the shim equals the stock model, cached and not."""
-    config_cls, model_cls, _ = FAMILIES["mistral"]
-    torch.manual_seed(0)
-    config = config_cls(**COMMON, sliding_window=16)
-    config._attn_implementation = "sdpa"
-    stock = model_cls(config).eval()
-    cca_config = copy.deepcopy(config)
-    cca_config._attn_implementation = "cca"
-    model = cca_class(model_cls)(cca_config).eval()
-    model.load_state_dict(stock.state_dict())
+    stock = tiny_base_model("mistral", max_position_embeddings=256, pad_token_id=0, eos_token_id=2, sliding_window=16)
+    model = cca_hf_model_from(stock, group_size=4, local_window=8, attn_backend="reference")
     x = ids(length=40)
     with torch.no_grad():
         torch.testing.assert_close(model(x, use_cache=False).logits, stock(x, use_cache=False).logits,
