@@ -105,7 +105,8 @@ def test_family_converts_and_keeps_the_base_model(tmp_path, case):
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case,method", [(f, "qkv" if i % 2 else "lora") for i, f in enumerate(FAMILIES)])
+@pytest.mark.parametrize("case,method", [(f, "qkv" if i % 2 else "lora") for i, f in enumerate(FAMILIES)]
+                         + [("phi3", "lora")])  # LoRA on Phi-3's fused qkv_proj too
 def test_family_finetune_step_runs_and_exports(tmp_path, case, method):
     base, out = _convert(tmp_path, case, finetune=True, method=method)
     metrics = [json.loads(line) for line in (out / "finetune" / "metrics.jsonl").read_text().splitlines()]
