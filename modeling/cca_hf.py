@@ -13,8 +13,8 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
 - ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
-``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": plain causal attention on the
-same weights). ``from_pretrained(..., cca_group_size=8)`` overrides them and is checked at load.
+``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
+the same weights — plain causal, or the sliding window CCA replaced). ``from_pretrained(..., cca_group_size=8)`` overrides them and is checked at load.
 ``attn_implementation="sdpa"`` or ``"eager"`` at load runs the base model's own attention (no CCA) on the same weights.
 """
 
@@ -135,7 +135,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
     (cos, sin), cache, _ = module._cca_ctx
     settings = CCASettings(module.config)
-    if settings.attn_backend == "full":
+    if settings.attn_backend == "full":  # the base model's attention: its own sliding window if CCA replaced one
+        window = getattr(module.config, "cca_replaced_sliding_window", None)
+        if window:
+            return _sliding_attention(module, query, key, value, attention_mask, scaling, window), None
         out = full_causal_attention(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2), None
     q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)

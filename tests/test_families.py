@@ -74,6 +74,10 @@ def test_family_converts_and_keeps_the_base_model(tmp_path, case):
     stock, x = _stock(base), _ids()
     if case == "mistral-swa":  # CCA replaces the window (48 > L = 40: the stock model sees all keys here too)
         assert config["sliding_window"] is None and config["cca_replaced_sliding_window"] == 48
+        longer = _ids(length=70)  # past the window: backend "full" is still the base model, window included
+        with torch.no_grad():
+            torch.testing.assert_close(_load(out, cca_attn_backend="full")(longer, use_cache=False).logits,
+                                       stock(longer, use_cache=False).logits, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         want = stock(x, use_cache=False).logits
         full = _load(out, cca_attn_backend="full")(x, use_cache=False).logits
