@@ -1,0 +1,90 @@
+"""DCA inside transformers' stock classes (modeling/dca_hf.py) at model level, on tiny random checkpoints: it is the
+base model while L <= C + 1, differs after, decodes from its cache exactly like full passes (across chunk
+boundaries, left padding), a padded batch equals each sequence alone, and prompt-lookup (speculative) decoding gives
+the greedy output through the cache's crop. Not wired to the CLI yet."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from cca_convert import published
+from cca_convert.families import FAMILIES
+from tests.factories import TINY, tiny_base_model
+
+hf = published.load("dca_hf")
+CHUNK, LOCAL = 24, 8  # s = 16: chunk boundaries at 16, 32, 48 ...
+
+
+def stock_and_dca(family, **dca):
+    stock = tiny_base_model(family, **{"max_position_embeddings": 512, "pad_token_id": 0, "eos_token_id": 2,
+                                       **TINY.get(family, {})})
+    config = copy.deepcopy(stock.config)
+    config.dual_chunk_attention_config = {"chunk_size": CHUNK, "local_size": LOCAL, **dca}
+    config._attn_implementation = "dca"
+    base = getattr(transformers, FAMILIES[family].causal_lm)
+    model = type(f"DCA{base.__name__}", (hf.DCAModelMixin, base), {})(config).eval()
+    model.load_state_dict(stock.state_dict())
+    return stock, model
+
+
+def ids(bsz=2, length=40, seed=1):
+    return torch.randint(3, 96, (bsz, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_base_model_up_to_C_and_different_after(family):
+    stock, model = stock_and_dca(family)
+    with torch.no_grad():
+        x = ids(length=CHUNK + 1)
+        torch.testing.assert_close(model(x, use_cache=False).logits, stock(x, use_cache=False).logits,
+                                   atol=1e-5, rtol=1e-5)
+        x = ids(length=60)
+        got, want = model(x, use_cache=False).logits, stock(x, use_cache=False).logits
+    torch.testing.assert_close(got[:, : CHUNK + 1], want[:, : CHUNK + 1], atol=1e-5, rtol=1e-5)
+    assert ((got[:, CHUNK + 1:] - want[:, CHUNK + 1:]).abs().amax(-1) > 1e-4).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cached_decode_and_chunked_prefill_equal_full_passes(family):
+    _, model = stock_and_dca(family)
+    x = ids(length=70)
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0  # left padding
+    with torch.no_grad():
+        want = model(x, attention_mask=mask, use_cache=False).logits
+        cache = model(x[:, :21], attention_mask=mask[:, :21], use_cache=True).past_key_values
+        assert isinstance(cache, hf.DCACache)
+        parts = [model(x[:, 21:33], attention_mask=mask[:, :33], past_key_values=cache, use_cache=True).logits]
+        for i in range(33, 70):  # one token per pass across the boundaries at 48 and 64 (row 0) ...
+            parts.append(model(x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache,
+                               use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(parts, 1), want[:, 21:], atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    _, model = stock_and_dca("llama")
+    x = ids(length=58)
+    mask = torch.ones_like(x)
+    mask[1, :11] = 0
+    with torch.no_grad():
+        batch = model(x, attention_mask=mask, use_cache=False).logits
+        alone = model(x[1:, 11:], use_cache=False).logits
+    torch.testing.assert_close(batch[1:, 11:], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_lookup_decoding_equals_greedy_through_crop():
+    _, model = stock_and_dca("llama")
+    prompt = torch.cat([ids(bsz=1, length=20, seed=4)] * 3, 1)  # repeats: the lookup finds drafts
+    with torch.no_grad():
+        greedy = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                use_cache=True)
+        lookup = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                prompt_lookup_num_tokens=4, use_cache=True)
+    assert torch.equal(lookup, greedy)
+
+
+def test_bad_settings_fail_when_the_model_is_built():
+    with pytest.raises(ValueError, match="must be < the chunk length"):
+        stock_and_dca("llama", chunk_size=16, local_size=8)
