@@ -28,6 +28,7 @@ PACKAGE = "cca_convert._published"
 # model_type "cca") are no longer exported; they stay as the reference the shim is tested against.
 PUBLISHED_FILES = {
     "cca_hf.py": MODELING_DIR,
+    "attention_hooks.py": MODELING_DIR,
     "attention_cca.py": MODELING_DIR,
     "cache_cca.py": MODELING_DIR,
     "cca_reference.py": KERNELS_DIR,

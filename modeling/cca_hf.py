@@ -18,8 +18,6 @@ the same weights — plain causal, or the sliding window CCA replaced). ``from_p
 ``attn_implementation="sdpa"`` or ``"eager"`` at load runs the base model's own attention (no CCA) on the same weights.
 """
 
-import sys
-
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -27,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.utils import logging
 
+from .attention_hooks import capture_hook, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import CCACache, CCALayerCache
 
@@ -79,21 +78,6 @@ class HFCCACache(CCACache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def _capture(module, args, kwargs):
-    if "position_embeddings" not in kwargs:
-        raise RuntimeError(f"{type(module).__name__} was not called with position_embeddings=...: this transformers "
-                           "version is not supported by CCA's attention hook")
-    module._cca_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"), _attention)
-
-
-def _unrope(module, x, cos, sin):
-    """The exact inverse of the family's own RoPE (rotation by -theta; YaRN-style scaling divided out)."""
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    s2 = cos[..., :1].float() ** 2 + sin[..., :1].float() ** 2
-    xf = x.float()
-    return rope(xf, xf, cos.float() / s2, -sin.float() / s2)[0].to(x.dtype)
-
-
 def _sliding_attention(module, query, key, value, mask_2d, scaling, window):
     """A local layer's own attention: causal within ``window`` columns, over the keys its sliding cache holds."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -103,16 +87,6 @@ def _sliding_attention(module, query, key, value, mask_2d, scaling, window):
     if mask_2d is not None:
         mask = mask & (mask_2d[:, None, None, -kv_len:].bool() | (k_col == q_col))  # pad rows keep one key: no NaN
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
-
-
-def cca_attention_forward(module, *args, **kwargs):
-    """The function registered as "cca". Each exported repo ships its own copy of this file and several may be
-    loaded in one process, while the registry holds one function: run the copy that built ``module``."""
-    ctx = getattr(module, "_cca_ctx", None)
-    if ctx is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation='cca' but was not built by a CCA model "
-                           "class (CCAModelMixin registers the hook that feeds it)")
-    return ctx[2](module, *args, **kwargs)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -133,7 +107,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     query, key = query.to(value.dtype), key.to(value.dtype)
     if sliding_window is not None:
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
-    (cos, sin), cache, _ = module._cca_ctx
+    (cos, sin), cache, _ = module._method_ctx
     settings = CCASettings(module.config)
     if settings.attn_backend == "full":  # the base model's attention: its own sliding window if CCA replaced one
         window = getattr(module.config, "cca_replaced_sliding_window", None)
@@ -141,7 +115,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             return _sliding_attention(module, query, key, value, attention_mask, scaling, window), None
         out = full_causal_attention(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2), None
-    q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)
+    q, k = unrope(module, query, cos, sin).to(value.dtype), unrope(module, key, cos, sin).to(value.dtype)
     if isinstance(cache, CCACache):
         out = cache.cca_attention(module.layer_idx, q, k, value, cos, sin, attention_mask, scaling)
     else:
@@ -159,6 +133,7 @@ def _no_cache_attention(q, k, v, cos, sin, attention_mask, settings, scale):
     return shift_rows(cca_attention(q, k, v, cos, sin, settings, scale), q_len - n_pad, 2)
 
 
+cca_attention_forward = dispatching("cca")
 AttentionInterface.register("cca", cca_attention_forward)
 AttentionMaskInterface.register("cca", flash_attention_mask)  # the 2-D padding mask (or None), as CCA expects
 
@@ -175,7 +150,7 @@ class CCAModelMixin:
         super().__init__(config, *args, **kwargs)
         for module in self.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
-                module.register_forward_pre_hook(_capture, with_kwargs=True)
+                module.register_forward_pre_hook(capture_hook("cca", _attention), with_kwargs=True)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         if attn_implementation is None or attn_implementation == "cca":

@@ -10,13 +10,12 @@ rotates at ``j % s`` on each pass; the fused Triton kernel and a cache of once-r
 model's own (its ``inv_freq`` and ``attention_scaling``; NeoX layout, whole heads).
 """
 
-import sys
-
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from .attention_hooks import capture_hook, dispatching, unrope
 from .dca_reference import check_params, dca_attention_reference
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
@@ -97,29 +96,6 @@ class DCACache(Cache):
         return key_states, value_states  # the dca attention function stores what it needs itself
 
 
-def _capture(module, args, kwargs):
-    if kwargs.get("position_embeddings") is None:
-        raise RuntimeError(f"{type(module).__name__} was not called with position_embeddings=...: this transformers "
-                           "version is not supported by DCA's attention hook")
-    module._dca_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"), _attention)
-
-
-def _unrope(module, x, cos, sin):
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    s2 = cos[..., :1].float() ** 2 + sin[..., :1].float() ** 2
-    xf = x.float()
-    return rope(xf, xf, cos.float() / s2, -sin.float() / s2)[0]
-
-
-def dca_attention_forward(module, *args, **kwargs):
-    """The function registered as "dca": runs the copy of this file that built ``module`` (see cca_hf.py)."""
-    ctx = getattr(module, "_dca_ctx", None)
-    if ctx is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation='dca' but was not built by a DCA model "
-                           "class (DCAModelMixin registers the hook that feeds it)")
-    return ctx[2](module, *args, **kwargs)
-
-
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                softcap=None, **kwargs):
     if sliding_window is not None or softcap is not None or dropout:
@@ -127,10 +103,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                          "dropout are not supported; load the model with attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("DCA takes only a 2-D padding mask; load with attn_implementation='sdpa' for custom masks")
-    (cos, sin), cache, _ = module._dca_ctx
+    (cos, sin), cache, _ = module._method_ctx
     chunk, local, c_orig = dca_settings(module.config)
     bsz, q_len = query.shape[0], query.shape[2]
-    q, k = _unrope(module, query, cos, sin), _unrope(module, key, cos, sin)  # whatever positions RoPE used
+    q, k = unrope(module, query, cos, sin), unrope(module, key, cos, sin)  # whatever positions RoPE used
     qvalid = (attention_mask[:, -q_len:].bool() if attention_mask is not None
               else torch.ones(bsz, q_len, dtype=torch.bool, device=q.device))
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
@@ -151,6 +127,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.to(value.dtype).transpose(1, 2), None
 
 
+dca_attention_forward = dispatching("dca")
 AttentionInterface.register("dca", dca_attention_forward)
 AttentionMaskInterface.register("dca", flash_attention_mask)
 
@@ -164,7 +141,7 @@ class DCAModelMixin:
         rotary = self.model.rotary_emb
         for module in self.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-                module.register_forward_pre_hook(_capture, with_kwargs=True)
+                module.register_forward_pre_hook(capture_hook("dca", _attention), with_kwargs=True)
                 object.__setattr__(module, "_dca_rotary", rotary)  # a reference, not a submodule
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):

@@ -55,7 +55,8 @@ def test_export_is_a_complete_repo(base, recipe, tmp_path):
     assert (config["cca_group_size"], config["cca_local_window"], config["cca_pooling"]) == (4, 16, "kv")
     assert config["rope_parameters"]["rope_type"] == "llama3"
     assert not (out / "modeling_cca.py").exists() and not (out / "configuration_cca.py").exists()
-    for name in ("modeling_cca_llama.py", "cca_hf.py", "attention_cca.py", "cache_cca.py", "cca_reference.py",
+    for name in ("modeling_cca_llama.py", "cca_hf.py", "attention_hooks.py", "attention_cca.py", "cache_cca.py",
+                 "cca_reference.py",
                  "cca_triton.py",
                  "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "cca_recipe.yaml", "README.md", "model.safetensors.index.json"):
