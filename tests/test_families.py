@@ -164,3 +164,13 @@ def test_models_from_two_copies_of_the_code_share_a_process(tmp_path):
             got = torch.cat([model(seq[:, i:i + 1], past_key_values=cache, use_cache=True).logits
                              for i in range(21, 30)], 1)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_ships_a_recipe_that_loads(family):
+    from cca_convert.recipe import load_recipe
+
+    recipe, path = load_recipe(None, family=family)
+    assert path.name == FAMILIES[family].recipe and recipe.validate.enabled
+    targets = recipe.finetune.lora.target_modules  # unset: the family's own q/k/v projections
+    assert targets is None or set(targets) <= set(FAMILIES[family].qkv)
