@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from .errors import CCAError
-from .families import Family, config_problems, family_of, replaces_sliding_window
+from .families import config_problems, family_of, replaces_sliding_window
 from .recipe import Recipe
 
 
@@ -33,13 +33,9 @@ def read_base_config(base_dir: Path) -> dict:
     return raw
 
 
-def base_family(base_dir: Path) -> Family:
-    return family_of(read_base_config(base_dir))
-
-
 def build_cca_config(base_dir: Path, recipe: Recipe):
     """The CCA config of a base model folder under a recipe."""
-    family = base_family(base_dir)
+    family = family_of(read_base_config(base_dir))
     try:
         # AutoConfig normalises legacy fields (rope_theta + rope_scaling -> rope_parameters, ...).
         config = AutoConfig.from_pretrained(base_dir)
@@ -66,4 +62,3 @@ def build_cca_config(base_dir: Path, recipe: Recipe):
     config.architectures = [family.cca_class]
     config.auto_map = {"AutoModelForCausalLM": f"{family.module}.{family.cca_class}"}
     return config
-

@@ -14,8 +14,9 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
-the same weights — plain causal, or the sliding window CCA replaced). ``from_pretrained(..., cca_group_size=8)`` overrides them and is checked at load.
-``attn_implementation="sdpa"`` or ``"eager"`` at load runs the base model's own attention (no CCA) on the same weights.
+the same weights — plain causal, or the sliding window CCA replaced). ``from_pretrained(..., cca_group_size=8)``
+overrides them and is checked at load. ``attn_implementation="sdpa"`` or ``"eager"`` at load runs the base model's
+own attention (no CCA) on the same weights.
 """
 
 import torch

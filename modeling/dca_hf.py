@@ -43,7 +43,10 @@ class DCALayerCache(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("DCALayerCache is filled by the dca attention function (DCACache.update passes through)")
+        # CacheLayerMixin's entry point; DCACache.update never calls it (the attention function appends, with the
+        # positions and validity this method's signature cannot carry), so a direct call is a wiring error
+        raise RuntimeError("DCALayerCache is filled through the 'dca' attention function, not update(): load the "
+                           "model with its DCA class (DCAModelMixin)")
 
     def append(self, k, v, pos, valid):
         if self.keys is None:
