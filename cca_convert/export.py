@@ -161,11 +161,16 @@ def base_tensor_names(base_dir: Path) -> list[str]:
 
 
 def model_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of the CCA model for ``config`` (built on the meta device: no memory)."""
+    """Parameter names and shapes of the converted model for ``config``: the stock class's, which every method keeps
+    (built on the meta device from a copy of the config, so that nothing of the build sticks to the job's config)."""
+    import copy
+
+    import transformers
+
     from .families import FAMILIES
 
     with torch.device("meta"):
-        model = published.family_class(FAMILIES[config.model_type])(config)
+        model = getattr(transformers, FAMILIES[config.model_type].causal_lm)(copy.deepcopy(config))
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
@@ -226,8 +231,8 @@ def write_shards(
     return final
 
 
-def copy_code_and_tokenizer(base_dir: Path, folder: Path, family) -> None:
-    published.write_code(folder, family)
+def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca") -> None:
+    published.write_code(folder, family, method)
     for name in TOKENIZER_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, folder / name)

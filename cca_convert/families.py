@@ -24,19 +24,27 @@ class Family:
     qkv: tuple[str, ...] = QKV  # attention input projections: trained by finetune.method=qkv, LoRA's targets
     notes: str = ""  # what differs from Llama, and how CCA treats it
 
+    dca_recipe: str = "dca-default.yaml"  # the default recipe of method dca (--set method=dca)
+
+    def class_name(self, method: str = "cca") -> str:
+        return f"{method.upper()}{self.causal_lm}"
+
+    def module_name(self, method: str = "cca") -> str:
+        return f"modeling_{method}_{self.model_type}"
+
     @property
     def cca_class(self) -> str:
-        return f"CCA{self.causal_lm}"
+        return self.class_name("cca")
 
     @property
     def module(self) -> str:
-        return f"modeling_cca_{self.model_type}"
+        return self.module_name("cca")
 
 
 FAMILIES = {f.model_type: f for f in (
-    Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2", "llama-3.1-8b.yaml",
+    Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2", "llama-3.1-8b.yaml", dca_recipe="dca-llama-3.1-8b.yaml",
            notes="tied embeddings (3.2); llama3/linear/dynamic/yarn rope scaling"),
-    Family("qwen2", "Qwen2ForCausalLM", "Qwen2/2.5", "qwen2.5-7b.yaml",
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2/2.5", "qwen2.5-7b.yaml", dca_recipe="dca-qwen2.5-7b.yaml",
            notes="q/k/v bias; max_window_layers sliding layers keep their own attention"),
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3", "qwen3-8b.yaml", notes="q/k-norm"),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3 MoE", "qwen3-30b-a3b.yaml", notes="q/k-norm; MoE MLP blocks"),
@@ -85,6 +93,25 @@ def config_problems(raw: dict) -> list[str]:
                         "their group middle)")
     if raw.get("attention_dropout"):
         problems.append(f"attention_dropout={raw['attention_dropout']}: CCA attention has no dropout")
+    return problems
+
+
+def dca_problems(config) -> list[str]:
+    """What DCA (which re-indexes the RoPE of full-attention layers) refuses in a built base config, with why."""
+    problems = []
+    types = getattr(config, "layer_types", None)
+    if getattr(config, "sliding_window", None) is not None and (
+            "sliding_attention" in types if types else getattr(config, "use_sliding_window", True)):
+        problems.append(f"sliding_window={config.sliding_window}: DCA re-indexes full attention; a sliding "
+                        "window never sees past its window, so there is nothing to extend (convert it with CCA, "
+                        "which replaces the window, or a checkpoint without one)")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type") if isinstance(rope, dict) else None
+    if rope_type == "dynamic":
+        problems.append("rope_type='dynamic': its frequencies change with the input length, while DCA needs the "
+                        "trained ones at every length; convert with a static rope type")
+    if getattr(config, "attention_dropout", 0):
+        problems.append(f"attention_dropout={config.attention_dropout}: the DCA attention has no dropout")
     return problems
 
 

@@ -62,6 +62,52 @@ The exact recipe used (`cca_recipe.yaml` in this repo):
 """
 
 
+_DCA_BODY = """
+# {name}
+
+This is **{base}** with **Dual Chunk Attention (DCA)** (An et al., "Training-Free Long-Context Scaling of Large
+Language Models", ICML 2024), converted with cca-convert. No weight was changed and nothing was trained.
+
+DCA changes only the RoPE positions given to queries and keys: the sequence is cut into chunks of `s` tokens, a key
+is rotated at its offset inside its chunk, and a query at its own offset (keys of its chunk), at `min(offset + s, C)`
+(the previous chunk) or at `C` (older chunks). Every relative distance RoPE sees stays within `[0, C]`, inside what
+the base was trained on, however long the input; attention stays full causal (one softmax, the base's cost and KV
+cache). Inputs of up to `C + 1` tokens give exactly the base model's outputs. The model is transformers' own
+`{causal_lm}`; its `dual_chunk_attention_config` uses the keys of Qwen2.5-7B/14B-Instruct-1M.
+
+| setting | value |
+| --- | --- |
+| `chunk_size` `C` | {chunk} |
+| `local_size` `w` | {local} |
+| chunk length `s = C - w` | {s_len} |
+| temperature | {temperature} |
+| base trained context `c` | {trained} |
+| context length (max_position_embeddings) | {max_pos} |
+
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
+# trust_remote_code: the model class is {module}.py (the stock class + dca_hf.py's DCA attention).
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
+```
+
+Requirements: `transformers>=5.17` and `torch>=2.11`; `triton` on CUDA (a fused forward kernel; elsewhere, and
+whenever gradients are needed, a PyTorch reference runs). `attn_implementation="sdpa"` at load runs the base model's
+plain RoPE attention with the same weights, for A/B comparisons.
+
+{extra}
+## Recipe
+
+The exact recipe used (`cca_recipe.yaml` in this repo):
+
+```yaml
+{recipe}```
+"""
+
+
 def build_model_card(
     config, recipe: Recipe, base_model: str, repo_name: str, *, finetuned: bool = False, extra: str = "",
     card_data: dict | None = None,
@@ -75,15 +121,26 @@ def build_model_card(
         base_model_relation="finetune" if on_hub else None,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["cca", "core-context-aware-attention", "long-context", "custom_code", config.model_type],
+        tags=(["dca", "dual-chunk-attention"] if recipe.method == "dca" else ["cca", "core-context-aware-attention"])
+        + ["long-context", "custom_code", config.model_type],
         **(card_data or {}),
     )
+    family = FAMILIES[config.model_type]
+    if recipe.method == "dca":
+        d = config.dual_chunk_attention_config
+        c_orig = d.get("original_max_position_embeddings")
+        body = _DCA_BODY.format(
+            name=repo_name, base=base_model, causal_lm=family.causal_lm, module=family.module_name("dca"),
+            chunk=d["chunk_size"], local=d["local_size"], s_len=d["chunk_size"] - d["local_size"],
+            temperature=f"logits x (0.1 ln(L/{c_orig}) + 1)^2 past {c_orig} tokens" if c_orig else "off",
+            trained=config.dca_trained_context,
+            max_pos=config.max_position_embeddings, repo=repo_name, extra=extra, recipe=recipe.to_yaml())
+        return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
     trained = (
         "The attention was then adapted with a short finetune (see the recipe)."
         if finetuned
         else "No finetune was run: quality may be below the base model's until one is."
     )
-    family = FAMILIES[config.model_type]
     pooling_note = "one core token per KV head" if config.cca_pooling == "kv" else "one core token per query head"
     replaced = getattr(config, "cca_replaced_sliding_window", None)
     sliding = sum(t == "sliding_attention" for t in getattr(config, "layer_types", None) or [])

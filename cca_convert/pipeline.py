@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import export, roundtrip
-from .convert import build_cca_config
+from .convert import build_config
 from .errors import CCAError
 from .finetune import stage_finetune
 from .model_card import build_model_card
@@ -72,6 +72,10 @@ class Job:
         return self.output.resolve().parent / f".{self.output.name}.work"
 
     @property
+    def method(self) -> str:
+        return self.recipe.method
+
+    @property
     def family(self):
         from .families import FAMILIES
 
@@ -85,8 +89,16 @@ class Job:
 
 
 def stage_convert(job: Job) -> None:
-    job.config = build_cca_config(job.base_dir, job.recipe)
+    job.config = build_config(job.base_dir, job.recipe)
     c = job.config
+    if job.method == "dca":
+        d = c.dual_chunk_attention_config
+        job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
+                f"heads; DCA chunk_size C={d['chunk_size']} local_size w={d['local_size']} (chunk length "
+                f"{d['chunk_size'] - d['local_size']}), temperature "
+                + (f"past {d['original_max_position_embeddings']}" if d.get("original_max_position_embeddings")
+                   else "off"))
+        return
     replaced = getattr(c, "cca_replaced_sliding_window", None)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
@@ -109,7 +121,7 @@ def check_finite_weights(model, where: str) -> None:
 def stage_load(job: Job) -> None:
     from . import published
 
-    model_cls = published.family_class(job.family)
+    model_cls = published.family_class(job.family, job.method)
     job.model, info = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype,
                                                 output_loading_info=True)
     if info.get("missing_keys") or info.get("mismatched_keys"):
@@ -140,7 +152,7 @@ def stage_export(job: Job) -> None:
     job.model = None
     gc.collect()
     job.config.save_pretrained(folder)
-    export.copy_code_and_tokenizer(job.base_dir, folder, job.family)
+    export.copy_code_and_tokenizer(job.base_dir, folder, job.family, job.method)
     export.write_generation_config(job.base_dir, folder, job.config)
     (folder / "cca_recipe.yaml").write_text(recipe.to_yaml())
     card = build_model_card(

@@ -59,6 +59,23 @@ def check_cca_ranges(job, problems: Problems) -> None:
                                      "its perplexity there is out of its trained range")
 
 
+def check_dca_ranges(job, problems: Problems) -> None:
+    c = job.config
+    context = c.max_position_embeddings
+    if job.recipe.export.roundtrip and job.recipe.export.roundtrip_tokens > context:
+        problems.errors.append(f"export.roundtrip_tokens={job.recipe.export.roundtrip_tokens} exceeds the context "
+                               f"({context}); lower it")
+    if job.recipe.dca.attn_backend == "triton" and not str(job.device).startswith("cuda") and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        problems.errors.append("dca.attn_backend=triton needs a CUDA GPU and this run is on the CPU: use auto "
+                               "(Triton on CUDA, the reference elsewhere) or reference")
+    v = job.recipe.validate
+    beyond = [n for n in v.context_lengths if n > context] if v.enabled else []
+    if beyond:
+        problems.errors.append(f"validate.context_lengths {beyond} exceed the converted model's context "
+                               f"(max_position_embeddings={context}); drop them, or raise dca.max_position_embeddings")
+
+
 def _base_context(job) -> int | None:
     import json
 
@@ -153,7 +170,7 @@ def check_output_space(job, shapes: dict) -> None:
 def stage_preflight(job) -> None:
     start = time.perf_counter()
     problems = Problems()
-    check_cca_ranges(job, problems)
+    (check_dca_ranges if job.method == "dca" else check_cca_ranges)(job, problems)
     try:
         shapes = read_weight_shapes(job)
     except CCAError as exc:

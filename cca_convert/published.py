@@ -23,62 +23,82 @@ except ImportError:  # a source checkout on PYTHONPATH, not installed
     KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PACKAGE = "cca_convert._published"
 
-# Copied into every exported repo, in this order (modeling first: it is what users read), beside the family's
-# generated modeling_cca_<model_type>.py. modeling_cca.py/configuration_cca.py (the first releases' Llama/Qwen2-only
-# model_type "cca") are no longer exported; they stay as the reference the shim is tested against.
-PUBLISHED_FILES = {
-    "cca_hf.py": MODELING_DIR,
-    "attention_hooks.py": MODELING_DIR,
-    "attention_cca.py": MODELING_DIR,
-    "cache_cca.py": MODELING_DIR,
-    "cca_reference.py": KERNELS_DIR,
-    "cca_triton.py": KERNELS_DIR,
-    "cca_pool_triton.py": KERNELS_DIR,
-    "cca_decode_triton.py": KERNELS_DIR,
+# Copied into every exported repo of a method, in this order (modeling first: it is what users read), beside the
+# family's generated modeling_<method>_<model_type>.py. modeling_cca.py/configuration_cca.py (the first releases'
+# Llama/Qwen2-only model_type "cca") are no longer exported; they stay as the reference the CCA shim is tested against.
+METHOD_FILES = {
+    "cca": {
+        "cca_hf.py": MODELING_DIR,
+        "attention_hooks.py": MODELING_DIR,
+        "attention_cca.py": MODELING_DIR,
+        "cache_cca.py": MODELING_DIR,
+        "cca_reference.py": KERNELS_DIR,
+        "cca_triton.py": KERNELS_DIR,
+        "cca_pool_triton.py": KERNELS_DIR,
+        "cca_decode_triton.py": KERNELS_DIR,
+    },
+    "dca": {
+        "dca_hf.py": MODELING_DIR,
+        "attention_hooks.py": MODELING_DIR,
+        "dca_reference.py": KERNELS_DIR,
+        "dca_triton.py": KERNELS_DIR,
+    },
+}
+PUBLISHED_FILES = METHOD_FILES["cca"]
+# What the generated file says and imports, per method: (title, shim module, mixin class)
+METHODS = {
+    "cca": ("Core Context Aware attention", "cca_hf", "CCAModelMixin",
+            "whose full attention layers run CCA (cca_hf.py says how; everything else is the stock model)"),
+    "dca": ("Dual Chunk Attention", "dca_hf", "DCAModelMixin",
+            "whose attention layers run DCA's chunked RoPE positions (dca_hf.py says how; everything else is the "
+            "stock model)"),
 }
 
 
-def published_paths() -> list[Path]:
-    """Paths of the published files that exist in this build."""
-    return [folder / name for name, folder in PUBLISHED_FILES.items() if (folder / name).exists()]
+def published_paths(method: str = "cca") -> list[Path]:
+    """Paths of the published files of ``method`` that exist in this build."""
+    return [folder / name for name, folder in METHOD_FILES[method].items() if (folder / name).exists()]
 
 
-def modeling_source(family) -> str:
-    """The exported ``modeling_cca_<model_type>.py`` of a ``families.Family`` row: the stock class with CCA's
-    mixin in front."""
-    return f'''"""{family.names} with Core Context Aware attention: transformers' own {family.causal_lm}, whose full
-attention layers run CCA (cca_hf.py says how; everything else is the stock model)."""
+def modeling_source(family, method: str = "cca") -> str:
+    """The exported ``modeling_<method>_<model_type>.py`` of a ``families.Family`` row: the stock class with the
+    method's mixin in front."""
+    title, shim, mixin, what = METHODS[method]
+    cls = family.class_name(method)
+    return f'''"""{family.names} with {title}: transformers' own {family.causal_lm},
+{what}."""
 
 from transformers import {family.causal_lm}
 
-from .cca_hf import CCAModelMixin
+from .{shim} import {mixin}
 
 
-class {family.cca_class}(CCAModelMixin, {family.causal_lm}):
+class {cls}({mixin}, {family.causal_lm}):
     pass
 
 
-__all__ = ["{family.cca_class}"]
+__all__ = ["{cls}"]
 '''
 
 
-def write_code(folder: Path, family) -> None:
-    """The published files plus the family's modeling file, into an export folder."""
-    for path in published_paths():
+def write_code(folder: Path, family, method: str = "cca") -> None:
+    """The method's published files plus the family's modeling file, into an export folder."""
+    for path in published_paths(method):
         shutil.copyfile(path, folder / path.name)
-    (folder / f"{family.module}.py").write_text(modeling_source(family))
+    (folder / f"{family.module_name(method)}.py").write_text(modeling_source(family, method))
 
 
-def family_class(family) -> type:
-    """The family's CCA class, from exactly the source its exported repo gets."""
-    name = f"{PACKAGE}.{family.module}"
+def family_class(family, method: str = "cca") -> type:
+    """The family's class for ``method``, from exactly the source its exported repo gets."""
+    module_name = family.module_name(method)
+    name = f"{PACKAGE}.{module_name}"
     if name not in sys.modules:
-        load("cca_hf")  # the package and the shim first
+        load(METHODS[method][1])  # the package and the shim first
         module = types.ModuleType(name)
         module.__package__ = PACKAGE
-        exec(compile(modeling_source(family), f"<{family.module}.py>", "exec"), module.__dict__)
+        exec(compile(modeling_source(family, method), f"<{module_name}.py>", "exec"), module.__dict__)
         sys.modules[name] = module
-    return getattr(sys.modules[name], family.cca_class)
+    return getattr(sys.modules[name], family.class_name(method))
 
 
 def load(module: str) -> types.ModuleType:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from .errors import CCAError
 from .finetune.config import FinetuneSection
@@ -37,6 +37,34 @@ class CCASection(Section):
     attn_backend: Literal["auto", "triton", "reference", "full"] = "auto"
 
 
+class DCASection(Section):
+    """Dual Chunk Attention (DCA-SPEC.md): Qwen2.5-1M's ``dual_chunk_attention_config`` keys. Unset (null) values come
+    from the base's own ``dual_chunk_attention_config`` if it has one (used verbatim), else the ChunkLlama default
+    ``chunk_size = 3c/4``, ``local_size = c/8`` (``c`` = the base's trained context), temperature off."""
+
+    chunk_size: int | None = Field(None, ge=2, description="C: the largest RoPE position a query gets (not the chunk "
+                                                            "length, which is chunk_size - local_size)")
+    local_size: int | None = Field(None, ge=0, description="w: queries at in-chunk offset <= w see the previous "
+                                                            "chunk at exact distances")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="c: the base's trained context (null: its max_position_embeddings); chunk_size <= c; "
+                                "also the length past which the temperature applies")
+    temperature: bool | None = Field(None, description="multiply logits by (0.1 ln(L/c) + 1)^2 past c (Qwen2.5-1M); "
+                                                       "null: as the base's dual_chunk_attention_config, else off")
+    max_position_embeddings: int | None = Field(
+        None, ge=1, description="the converted model's context (null: 8 x the trained context c)")
+    attn_backend: Literal["auto", "triton", "reference"] = "auto"
+
+    @field_validator("local_size")
+    @classmethod
+    def _local_below_chunk_length(cls, v, info: ValidationInfo):
+        chunk = info.data.get("chunk_size")
+        if v is not None and chunk is not None and v > (chunk - v) - 1:
+            raise ValueError(f"must be < the chunk length chunk_size - local_size = {chunk - v} (chunk_size={chunk}); "
+                             "larger values behave exactly like local_size = chunk length - 1")
+        return v
+
+
 class ExportSection(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
@@ -46,10 +74,21 @@ class ExportSection(Section):
 
 
 class Recipe(Section):
+    method: Literal["cca", "dca"] = Field("cca", description="cca: Core Context Aware attention (finetune to adapt); "
+                                                              "dca: Dual Chunk Attention (training-free)")
     cca: CCASection = CCASection()
+    dca: DCASection = DCASection()
     finetune: FinetuneSection = FinetuneSection()
     export: ExportSection = ExportSection()
     validate: ValidateSection = ValidateSection()
+
+    _origins: dict = PrivateAttr(default_factory=dict)  # dotted key -> "file:line" or "--set k=v"
+    _path: str = PrivateAttr("recipe")
+
+    def where(self, *loc: str) -> str:
+        """Where a key's value came from, for errors found after parsing (e.g. against the base's config)."""
+        origin = self._origins.get(loc) or f"{self._path} ({'.'.join(loc)} unset: default)"
+        return f"{origin}: {'.'.join(loc)}"
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -122,13 +161,15 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 
 
 def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None = None) -> tuple[Recipe, Path]:
-    """Read a recipe (or the family default), apply ``--set`` overrides, validate. Raises CCAError."""
+    """Read a recipe (or the family's default for the method ``--set method=...`` names), apply ``--set``
+    overrides, validate. Raises CCAError."""
     if path is None:
         from .families import FAMILIES
 
         if family not in FAMILIES:
             raise CCAError(f"no default recipe for model family {family!r}; pass --recipe FILE")
-        path = RECIPES_DIR / FAMILIES[family].recipe
+        method = dict(parse_overrides(list(overrides))).get("method", "cca")
+        path = RECIPES_DIR / (FAMILIES[family].dca_recipe if method == "dca" else FAMILIES[family].recipe)
     path = Path(path)
     if not path.is_file():
         raise CCAError(f"recipe file not found: {path}")
@@ -161,4 +202,11 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
             msg += f"; known keys here: {', '.join(_known_keys(Recipe, loc))}"
         more = len(exc.errors()) - 1
         raise CCAError(msg + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    lines = _line_index(text)
+    recipe._path = str(path)
+    recipe._origins = {loc: f"{path}:{line}" for loc, line in lines.items()}
+    recipe._origins.update(set_keys)
+    if recipe.method == "dca" and recipe.finetune.enabled:
+        raise CCAError(f"{recipe.where('finetune', 'enabled')}: method dca is training-free (its Triton kernel has no "
+                       "backward): set finetune.enabled: false, or use method: cca to adapt a model with a finetune")
     return recipe, path

@@ -125,9 +125,10 @@ def dca_attention_naive(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, local_s
     return out
 
 
-def _scores(q, k, qpos, kpos, chunk_size, local_size, inv_freq, scale, attention_factor):
+def _scores(q, k, qpos, kpos, chunk_size, local_size, inv_freq, scale, attention_factor, keys_rotated=False):
     """Per (query, key) DCA logits (B, H, Lq, Lk) in fp32 (fp64 for fp64 inputs), before masking: the query is
-    rotated three times and each key once; the part of each pair picks which product counts."""
+    rotated three times and each key once (``keys_rotated``: ``k`` already is, as a DCA cache holds it); the part of
+    each pair picks which product counts."""
     s = chunk_size - local_size
     bsz, n_heads, q_len, head_dim = q.shape
     n_kv = k.shape[1]
@@ -135,8 +136,8 @@ def _scores(q, k, qpos, kpos, chunk_size, local_size, inv_freq, scale, attention
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     o_i = qpos % s
     rot_pos = (o_i, torch.clamp(o_i + s, max=chunk_size), torch.full_like(o_i, min(2 * s - 1, chunk_size)))
-    k_rot = rope_at(k, (kpos % s)[:, None].expand(-1, n_kv, -1), inv_freq, attention_factor).to(dtype)
-    k_rot = k_rot.repeat_interleave(rep, 1)
+    k_rot = k if keys_rotated else rope_at(k, (kpos % s)[:, None].expand(-1, n_kv, -1), inv_freq, attention_factor)
+    k_rot = k_rot.to(dtype).repeat_interleave(rep, 1)
     parts = [torch.einsum("bhqd,bhkd->bhqk",
                           rope_at(q, p[:, None].expand(-1, n_heads, -1), inv_freq, attention_factor).to(dtype), k_rot)
              for p in rot_pos]
@@ -150,10 +151,11 @@ def _visible(qpos, kpos, kvalid, qvalid):
 
 
 def dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, local_size, inv_freq, scale,
-                            c_orig=0, attention_factor=1.0):
-    """DCA with one softmax per query (key-vectorised twin of ``dca_attention_naive``); differentiable."""
+                            c_orig=0, attention_factor=1.0, keys_rotated=False):
+    """DCA with one softmax per query (key-vectorised twin of ``dca_attention_naive``); differentiable.
+    ``keys_rotated``: ``k`` holds the keys already rotated at ``j % s`` (a DCA cache)."""
     check_params(chunk_size, local_size)
-    scores, _ = _scores(q, k, qpos, kpos, chunk_size, local_size, inv_freq, scale, attention_factor)
+    scores, _ = _scores(q, k, qpos, kpos, chunk_size, local_size, inv_freq, scale, attention_factor, keys_rotated)
     t_mult = temperature(_batch_length(kpos, kvalid), c_orig).to(scores.dtype)[:, None, None, None]
     visible = _visible(qpos, kpos, kvalid, qvalid)[:, None]
     scores = (scores * t_mult).masked_fill(~visible, float("-inf"))
@@ -162,6 +164,62 @@ def dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, loc
     rep = q.shape[1] // v.shape[1]
     out = torch.einsum("bhqk,bhkd->bhqd", probs, v.to(probs.dtype).repeat_interleave(rep, 1))
     return out.to(q.dtype)
+
+
+def dca_attention_blocked(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, local_size, inv_freq, scale,
+                          c_orig=0, attention_factor=1.0, keys_rotated=False, block=512):
+    """``dca_attention_reference`` for long inputs on CPU: query blocks, and per block each part's product only over
+    the key positions that part can reach (intra ``[n_min s, i_max]``, succ ``[(n_min-1) s, n_max s)``, inter
+    ``[0, (n_max-1) s)``): about the FLOPs of one causal attention instead of three full ones, and no ``repeat_kv``.
+    The exact per-element masks are the reference's; differentiable."""
+    check_params(chunk_size, local_size)
+    s = chunk_size - local_size
+    bsz, n_heads, q_len, head_dim = q.shape
+    n_kv = k.shape[1]
+    rep = n_heads // n_kv
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if not keys_rotated:
+        k = rope_at(k, (kpos % s)[:, None].expand(-1, n_kv, -1), inv_freq, attention_factor)
+    k, v = k.to(dtype), v.to(dtype)
+    t_mult = temperature(_batch_length(kpos, kvalid), c_orig).to(dtype)[:, None, None, None, None]
+    o_i = qpos % s
+    rotations = (o_i, torch.clamp(o_i + s, max=chunk_size), torch.full_like(o_i, min(2 * s - 1, chunk_size)))
+    big = torch.iinfo(kpos.dtype).max
+    outs = []
+    for a in range(0, q_len, block):
+        qp, qv = qpos[:, a:a + block], qvalid[:, a:a + block]
+        n = qp.shape[1]
+        if not bool(qv.any()):
+            outs.append(q.new_zeros(bsz, n_heads, n, head_dim, dtype=dtype))
+            continue
+        i_min, i_max = int(torch.where(qv, qp, big).min()), int(torch.where(qv, qp, -1).max())
+        n_min, n_max = i_min // s, i_max // s
+        reach = kvalid & (kpos <= i_max)
+        width = int(torch.nonzero(reach.any(0)).max()) + 1  # key columns any query of the block can see
+        kp = kpos[:, :width]
+        visible = (kp[:, None, :] <= qp[:, :, None]) & kvalid[:, None, :width] & qv[:, :, None]  # (B, n, width)
+        diff = qp[:, :, None] // s - kp[:, None, :] // s
+        scores = torch.full((bsz, n_kv, rep, n, width), float("-inf"), dtype=dtype, device=q.device)
+        ranges = ((2, max(0, (n_max - 1) * s), 0), (1, n_max * s, max(0, (n_min - 1) * s)),
+                  (0, i_max + 1, n_min * s))  # (rotation, hi, lo) in positions: inter, succ, intra
+        for rot, hi, lo in ranges:
+            cols = torch.nonzero(((kp >= lo) & (kp < hi) & kvalid[:, :width]).any(0)).flatten()
+            if cols.numel() == 0:
+                continue
+            c0, c1 = int(cols.min()), int(cols.max()) + 1
+            qr = rope_at(q[:, :, a:a + n], rotations[rot][:, a:a + n][:, None].expand(-1, n_heads, -1), inv_freq,
+                         attention_factor).to(dtype).view(bsz, n_kv, rep, n, head_dim)
+            part = torch.einsum("bgrqd,bgkd->bgrqk", qr, k[:, :, c0:c1]).mul_(scale)
+            sel = diff[:, :, c0:c1] == rot if rot < 2 else diff[:, :, c0:c1] >= 2
+            part.masked_fill_(~(sel & visible[:, :, c0:c1])[:, None, None], float("-inf"))
+            # parts overlap in columns only where the block spans a chunk boundary; elsewhere both are -inf
+            torch.maximum(scores[..., c0:c1], part, out=scores[..., c0:c1])
+        if c_orig:
+            scores.mul_(t_mult)
+        probs = scores.softmax(-1).nan_to_num_(nan=0.0)  # a pad query's all -inf row: 0, never NaN
+        out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v[:, :, :width])
+        outs.append(out.reshape(bsz, n_heads, n, head_dim))
+    return torch.cat(outs, 2).to(q.dtype)
 
 
 def dca_attention_lse_merge(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, local_size, inv_freq, scale,
@@ -200,5 +258,5 @@ def plain_rope_attention(q, k, v, qpos, kpos, kvalid, qvalid, inv_freq, scale, a
     return torch.einsum("bhqk,bhkd->bhqd", probs, v.to(dtype).repeat_interleave(rep, 1)).to(q.dtype)
 
 
-__all__ = ["check_params", "dca_attention_lse_merge", "dca_attention_naive", "dca_attention_reference",
+__all__ = ["check_params", "dca_attention_blocked", "dca_attention_lse_merge", "dca_attention_naive", "dca_attention_reference",
            "plain_rope_attention", "positions", "resolve_params", "rope_at", "temperature"]

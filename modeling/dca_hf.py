@@ -3,11 +3,13 @@
 As for CCA (``cca_hf.py``), a family's DCA model is its stock causal-LM class with ``DCAModelMixin`` in front: the
 attention implementation defaults to ``"dca"``, a forward pre-hook keeps each attention module's positions and cache,
 and ``forward`` gives ``generate()`` a ``DCACache``. The settings are Qwen2.5-1M's ``dual_chunk_attention_config``
-(``chunk_size``, ``local_size``, ``original_max_position_embeddings``).
+(``chunk_size``, ``local_size``, ``original_max_position_embeddings``) plus ``dca_attn_backend``: "auto" (the Triton
+kernel on CUDA for inference, the PyTorch reference elsewhere and whenever gradients are needed), "triton" or
+"reference". ``attn_implementation="sdpa"`` at load runs the base model's plain RoPE attention on the same weights.
 
-This revision runs the PyTorch reference (one softmax per query, in query blocks) and caches pre-RoPE keys, which it
-rotates at ``j % s`` on each pass; the fused Triton kernel and a cache of once-rotated keys come next. The RoPE is the
-model's own (its ``inv_freq`` and ``attention_scaling``; NeoX layout, whole heads).
+The cache holds every key rotated once at ``j % s`` (keys never need re-rotation) in buffers that grow by doubling,
+so a decode step appends in place instead of copying the whole cache. The RoPE is the model's own (its ``inv_freq``
+and ``attention_scaling``; NeoX layout).
 """
 
 import torch
@@ -15,21 +17,41 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from transformers.utils import logging
+
 from .attention_hooks import capture_hook, dispatching, unrope
-from .dca_reference import check_params, dca_attention_reference
+from .dca_reference import check_params, dca_attention_blocked
+
+try:  # the kernel needs triton; CPU-only installs run the reference
+    from .dca_triton import dca_attention_triton, rotate_keys, temperature_per_sequence
+except ImportError:  # pragma: no cover
+    dca_attention_triton = None
+    from .dca_reference import rope_at
+
+    def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
+        s = chunk_size - local_size
+        return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
+
+logger = logging.get_logger(__name__)
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
+BACKENDS = ("auto", "triton", "reference")
 
 
 def dca_settings(config) -> tuple[int, int, int]:
+    """``(chunk_size, local_size, original_max_position_embeddings or 0)``; ValueError for values the spec rejects."""
     cfg = getattr(config, "dual_chunk_attention_config", None) or {}
     chunk, local = cfg.get("chunk_size"), cfg.get("local_size")
     check_params(chunk, local)
+    backend = getattr(config, "dca_attn_backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"dca_attn_backend must be one of {BACKENDS}, got {backend!r}")
     return chunk, local, cfg.get("original_max_position_embeddings") or 0
 
 
 class DCALayerCache(CacheLayerMixin):
-    """Every key of one layer (DCA evicts nothing): pre-RoPE keys, values, positions and a validity mask."""
+    """Every key of one layer (DCA evicts nothing), rotated once at ``j % s``, its value, its position and whether
+    it is a real token; stored in buffers with spare room along the sequence."""
 
     is_sliding = False
     is_compileable = False
@@ -37,7 +59,7 @@ class DCALayerCache(CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.keys = self.values = self.pos = self.valid = None
+        self.buffers, self.length = None, 0  # [keys, values, pos, valid]; seq dim 2, 2, 1, 1
 
     def lazy_initialization(self, key_states, value_states):
         pass
@@ -48,16 +70,33 @@ class DCALayerCache(CacheLayerMixin):
         raise RuntimeError("DCALayerCache is filled through the 'dca' attention function, not update(): load the "
                            "model with its DCA class (DCAModelMixin)")
 
+    _SEQ_DIMS = (2, 2, 1, 1)
+
     def append(self, k, v, pos, valid):
-        if self.keys is None:
-            self.keys, self.values, self.pos, self.valid = k, v, pos, valid
-        else:
-            self.keys, self.values = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
-            self.pos, self.valid = torch.cat([self.pos, pos], 1), torch.cat([self.valid, valid], 1)
-        return self.keys, self.values, self.pos, self.valid
+        new = (k, v, pos, valid)
+        end = self.length + k.shape[2]
+        if self.buffers is None or end > self.buffers[0].shape[2]:
+            capacity = max(end, 2 * (self.buffers[0].shape[2] if self.buffers else 0), 256)
+            grown = []
+            for i, (x, dim) in enumerate(zip(new, self._SEQ_DIMS)):
+                shape = list(x.shape)
+                shape[dim] = capacity
+                buf = x.new_zeros(shape)
+                if self.buffers is not None:
+                    buf.narrow(dim, 0, self.length).copy_(self.buffers[i].narrow(dim, 0, self.length))
+                grown.append(buf)
+            self.buffers = grown
+        for buf, x, dim in zip(self.buffers, new, self._SEQ_DIMS):
+            buf.narrow(dim, self.length, x.shape[dim]).copy_(x)
+        self.length = end
+        return self.tensors()
+
+    def tensors(self):
+        """(keys, values, pos, valid) of the tokens held, as views."""
+        return tuple(buf.narrow(dim, 0, self.length) for buf, dim in zip(self.buffers, self._SEQ_DIMS))
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.length
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -66,29 +105,26 @@ class DCALayerCache(CacheLayerMixin):
         return -1
 
     def reset(self):
-        self.keys = self.values = self.pos = self.valid = None
+        self.buffers, self.length = None, 0
 
-    def _map(self, fn, seq=False):
-        if self.keys is not None:
-            self.keys, self.values = fn(self.keys, 2 if seq else 0), fn(self.values, 2 if seq else 0)
-            self.pos, self.valid = fn(self.pos, 1 if seq else 0), fn(self.valid, 1 if seq else 0)
+    def _map(self, fn):
+        if self.buffers is not None:
+            self.buffers = [fn(x) for x in self.buffers]
 
     def reorder_cache(self, beam_idx):
-        self._map(lambda x, d: x.index_select(0, beam_idx.to(x.device)))
+        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     def batch_select_indices(self, indices):
-        self._map(lambda x, d: x[indices])
+        self._map(lambda x: x[indices])
 
     def batch_repeat_interleave(self, repeats: int):
-        self._map(lambda x, d: x.repeat_interleave(repeats, dim=0))
+        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens: int):
         """Rejected draft tokens go away: ``-n`` drops the last ``n`` columns and 0 is a no-op (transformers >= 5.2x);
-        a positive value is the length to keep (what older versions pass)."""
-        length = self.get_seq_length()
-        keep = length + tokens if tokens <= 0 else min(tokens, length)
-        if keep != length:
-            self._map(lambda x, d: x.narrow(d, 0, keep), seq=True)
+        a positive value is the length to keep (what older versions pass). Keys are rotated at their own position
+        only, so nothing else changes."""
+        self.length = self.length + tokens if tokens <= 0 else min(tokens, self.length)
 
 
 class DCACache(Cache):
@@ -106,8 +142,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                          "dropout are not supported; load the model with attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("DCA takes only a 2-D padding mask; load with attn_implementation='sdpa' for custom masks")
+    # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
+    query, key = query.to(value.dtype), key.to(value.dtype)
     (cos, sin), cache, _ = module._method_ctx
     chunk, local, c_orig = dca_settings(module.config)
+    rotary = module._dca_rotary
     bsz, q_len = query.shape[0], query.shape[2]
     q, k = unrope(module, query, cos, sin), unrope(module, key, cos, sin)  # whatever positions RoPE used
     qvalid = (attention_mask[:, -q_len:].bool() if attention_mask is not None
@@ -115,19 +154,37 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
     # DCA positions are absolute and per sequence: each row counts its own real tokens (a left-padded row starts
     # at 0, as the spec requires), whatever position_ids the caller passed
-    seen = layer.valid.sum(1, keepdim=True) if layer is not None and layer.valid is not None else 0
+    seen = layer.tensors()[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
     qpos = (seen + qvalid.long().cumsum(1) - 1).clamp_min(0)
-    v = value.float()
+    k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
-        k, v, kpos, kvalid = layer.append(k, v, qpos, qvalid)
+        k_rot, v, kpos, kvalid = layer.append(k_rot, value, qpos, qvalid)
     else:
-        kpos, kvalid = qpos, qvalid
-    rotary = module._dca_rotary
-    out = torch.cat([dca_attention_reference(q[:, :, a:a + QUERY_BLOCK], k, v, qpos[:, a:a + QUERY_BLOCK], kpos, kvalid,
-                                             qvalid[:, a:a + QUERY_BLOCK], chunk, local, rotary.inv_freq, scaling,
-                                             c_orig, rotary.attention_scaling)
-                     for a in range(0, q_len, QUERY_BLOCK)], 2)
+        v, kpos, kvalid = value, qpos, qvalid
+    out = None
+    if _use_kernel(module.config, q):
+        kstart = (~kvalid).sum(1)
+        if bool((kvalid == (torch.arange(kvalid.shape[1], device=q.device)[None] >= kstart[:, None])).all()):
+            temp = temperature_per_sequence(kstart, kvalid.shape[1], c_orig)
+            out = dca_attention_triton(q.to(value.dtype), k_rot, v, torch.where(qvalid, qpos, -1), kstart, chunk,
+                                       local, rotary.inv_freq, scaling, temp, rotary.attention_scaling)
+    if out is None:  # the PyTorch twin: on CPU, under autograd, or pads that are not all leading
+        out = dca_attention_blocked(q, k_rot, v, qpos, kpos, kvalid, qvalid, chunk, local, rotary.inv_freq, scaling,
+                                    c_orig, rotary.attention_scaling, keys_rotated=True, block=QUERY_BLOCK)
     return out.to(value.dtype).transpose(1, 2), None
+
+
+def _use_kernel(config, q) -> bool:
+    backend = getattr(config, "dca_attn_backend", "auto")
+    needs_grad = torch.is_grad_enabled() and q.requires_grad
+    if backend == "triton":
+        if dca_attention_triton is None or not q.is_cuda:
+            raise RuntimeError("dca_attn_backend='triton' needs triton and a CUDA device; use 'auto' or 'reference'")
+        if needs_grad:
+            raise RuntimeError("the DCA Triton kernel is forward-only (DCA is training-free); set "
+                               "dca_attn_backend='reference' to backpropagate through DCA attention")
+        return True
+    return backend == "auto" and dca_attention_triton is not None and q.is_cuda and not needs_grad
 
 
 dca_attention_forward = dispatching("dca")
@@ -139,6 +196,10 @@ class DCAModelMixin:
     """Put in front of a stock causal-LM class: ``class DCAQwen2ForCausalLM(DCAModelMixin, Qwen2ForCausalLM)``."""
 
     def __init__(self, config, *args, **kwargs):
+        unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size"})
+        if unprefixed:  # from_pretrained hands keys the config does not know to the model
+            raise ValueError(f"unknown option(s) {unprefixed}: DCA's sizes live in dual_chunk_attention_config; "
+                             "the backend is dca_attn_backend=...")
         dca_settings(config)  # bad values fail when the model is built
         super().__init__(config, *args, **kwargs)
         rotary = self.model.rotary_emb
@@ -150,6 +211,8 @@ class DCAModelMixin:
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         if attn_implementation is None or attn_implementation == "dca":
             return "dca"
+        logger.warning_once(f"attn_implementation={attn_implementation!r}: this model runs its base model's own "
+                            "attention (plain RoPE positions, no DCA); leave attn_implementation unset for DCA")
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def forward(self, *args, past_key_values=None, use_cache=None, **kwargs):

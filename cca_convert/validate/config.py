@@ -43,6 +43,8 @@ class ValidateSection(Section):
     seed: int = 0
     # Gates, against the final CCA model (after the finetune when there is one); null turns a gate off.
     max_ppl_ratio: float | None = Field(1.10, gt=0, description="CCA ppl / base ppl, at every length")
+    max_ppl_growth: float | None = Field(None, gt=0, description="converted ppl at each length past the trained "
+                                                                  "context / its ppl at the trained context (DCA)")
     min_passkey_accuracy: float | None = Field(None, ge=0, le=1, description="CCA passkey accuracy, at every length")
     max_passkey_drop: float | None = Field(None, ge=0, le=1,
                                            description="base accuracy - CCA accuracy, at every length")

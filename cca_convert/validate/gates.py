@@ -10,11 +10,15 @@ def _gate(name, length, value, threshold, passed, margin, detail):
             "margin": margin, "detail": detail}
 
 
-def evaluate(section: ValidateSection, results: dict, final: str) -> list[dict]:
+def evaluate(section: ValidateSection, results: dict, final: str, method: str = "CCA",
+             trained_context: int | None = None) -> list[dict]:
     """One entry per gate and length: ``passed`` True/False (None: not measured at that length, e.g. a
-    passkey prompt that does not fit), ``margin`` >= 0 when passed, < 0 = by how much it failed."""
+    passkey prompt that does not fit), ``margin`` >= 0 when passed, < 0 = by how much it failed.
+    ``max_ppl_growth`` compares each length with the longest validated length <= ``trained_context``."""
     out = []
     base, cca = results.get("base", {}), results.get(final, {})
+    ref_len = max((n for n in section.context_lengths if trained_context and n <= trained_context), default=None)
+    ref_ppl = cca.get("perplexity", {}).get(str(ref_len)) if ref_len else None
     for length in section.context_lengths:
         key = str(length)
         b_ppl, c_ppl = base.get("perplexity", {}).get(key), cca.get("perplexity", {}).get(key)
@@ -29,6 +33,20 @@ def evaluate(section: ValidateSection, results: dict, final: str) -> list[dict]:
                                  + ("" if ok else f" (over by {ratio - section.max_ppl_ratio:.3f})")))
             else:
                 out.append(_gate("max_ppl_ratio", length, None, section.max_ppl_ratio, None, None, "not measured"))
+        if section.max_ppl_growth is not None and (trained_context is None or length > trained_context):
+            t = section.max_ppl_growth
+            if not (ref_ppl and c_ppl):
+                why = "not measured" if ref_len else (f"no validated length <= the trained context {trained_context} "
+                                                      "to compare with" if trained_context else
+                                                      "the model states no trained context")
+                out.append(_gate("max_ppl_growth", length, None, t, None, None, why))
+            else:
+                growth = c_ppl["ppl"] / ref_ppl["ppl"]
+                ok = growth <= t
+                out.append(_gate("max_ppl_growth", length, growth, t, ok, t - growth,
+                                 f"CCA ppl {c_ppl['ppl']:.3f} @ {length} / {ref_ppl['ppl']:.3f} @ {ref_len} = "
+                                 f"{growth:.3f} {'<=' if ok else '>'} {t:g}"
+                                 + ("" if ok else f" (over by {growth - t:.3f})")))
         b_pk = (base.get("passkey", {}).get(key) or {}).get("accuracy")
         c_pk = (cca.get("passkey", {}).get(key) or {}).get("accuracy")
         if section.min_passkey_accuracy is not None:
@@ -50,6 +68,9 @@ def evaluate(section: ValidateSection, results: dict, final: str) -> list[dict]:
                 out.append(_gate("max_passkey_drop", length, drop, t, ok, t - drop,
                                  f"passkey accuracy base {b_pk:.2f} - CCA {c_pk:.2f} = {drop:.2f} "
                                  f"{'<=' if ok else '>'} {t:g}" + ("" if ok else f" (over by {drop - t:.2f})")))
+    if method != "CCA":
+        for g in out:
+            g["detail"] = g["detail"].replace("CCA", method)
     return out
 
 

@@ -26,6 +26,9 @@ def _backend_field(config) -> str | None:
         return "attn_backend"
     if hasattr(config, "cca_attn_backend") or getattr(config, "_attn_implementation", None) == "cca":
         return "cca_attn_backend"  # a converted stock config
+    if getattr(config, "dual_chunk_attention_config", None) and getattr(config, "_attn_implementation", None) in (
+            "dca", "sdpa"):
+        return "dca_attn_backend"
     return None
 
 
@@ -41,13 +44,16 @@ def attention_backend(model, backend: str | None):
                 configs[id(config)] = (config, _backend_field(config))
         if not configs:
             raise ValueError(f"{type(model).__name__} has no CCA attention backend to set to {backend!r}")
-    old = {key: getattr(config, field) for key, (config, field) in configs.items()}
+    # DCA's "full" is the base's own attention: plain RoPE positions through transformers' SDPA
+    swap = {key: (config, "_attn_implementation", "sdpa") if field == "dca_attn_backend" and backend == "full"
+            else (config, field, backend) for key, (config, field) in configs.items()}
+    old = {key: getattr(config, field, None) for key, (config, field, _) in swap.items()}
     try:
-        for config, field in configs.values():
-            setattr(config, field, backend)
+        for config, field, value in swap.values():
+            setattr(config, field, value)
         yield model
     finally:
-        for key, (config, field) in configs.items():
+        for key, (config, field, _) in swap.items():
             setattr(config, field, old[key])
 
 

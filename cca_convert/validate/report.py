@@ -16,6 +16,14 @@ from .perplexity import __doc__ as PPL_DOC
 
 SCHEMA = 1
 LABELS = {"base": "base", "cca": "CCA", "cca_before": "CCA before finetune", "cca_after": "CCA after finetune"}
+# The result keys name the converted model whatever its method ("cca" holds a DCA model's numbers too); the labels
+# printed say which method it is.
+
+
+def label(report: dict, key: str) -> str:
+    return LABELS[key].replace("CCA", report["model"].get("method", "cca").upper())
+
+
 ORDER = ["base", "cca_before", "cca", "cca_after"]
 PACKAGES = ["cca-convert", "torch", "transformers", "huggingface_hub", "datasets", "tokenizers", "safetensors",
             "triton", "peft", "accelerate"]
@@ -101,7 +109,7 @@ def _fmt(x, spec=".3f") -> str:
 def ppl_table(report: dict) -> str:
     models = report["models"]
     final = report["final_model"]
-    head = "| context | " + " | ".join(f"{LABELS[m]} ppl" for m in models) + f" | {LABELS[final]} / base |"
+    head = "| context | " + " | ".join(f"{label(report, m)} ppl" for m in models) + f" | {label(report, final)} / base |"
     lines = [head, "|" + " --- |" * (len(models) + 2)]
     for length in report["context_lengths"]:
         k = str(length)
@@ -117,7 +125,7 @@ def passkey_table(report: dict) -> str | None:
     models = report["models"]
     if not any(report["results"][m].get("passkey") for m in models):
         return None
-    lines = ["| context | " + " | ".join(LABELS[m] for m in models) + " |", "|" + " --- |" * (len(models) + 1)]
+    lines = ["| context | " + " | ".join(label(report, m) for m in models) + " |", "|" + " --- |" * (len(models) + 1)]
     for length in report["context_lengths"]:
         cells = []
         for m in models:
@@ -132,7 +140,8 @@ def passkey_table(report: dict) -> str | None:
 def speed_table(report: dict) -> str | None:
     if not report["speed"]:
         return None
-    lines = ["| context | base prefill | CCA prefill | speed-up | base peak memory | CCA peak memory |",
+    name = label(report, "cca")
+    lines = [f"| context | base prefill | {name} prefill | speed-up | base peak memory | {name} peak memory |",
              "| --- | --- | --- | --- | --- | --- |"]
     for length in report["context_lengths"]:
         s = report["speed"].get(str(length))
@@ -174,13 +183,19 @@ def _sections(report: dict, plot: str) -> list[str]:
     return out
 
 
+def _settings(m: dict) -> str:
+    if m.get("method") == "dca":
+        return (f"DCA chunk_size={m.get('chunk_size')}, local_size={m.get('local_size')}, trained context "
+                f"{m.get('trained_context')}, temperature {'past ' + str(m['c_orig']) if m.get('c_orig') else 'off'}")
+    return f"CCA g={m.get('group_size')}, s={m.get('local_window')}, pooling {m.get('pooling')}"
+
+
 def markdown(report: dict) -> str:
     m, d, hw = report["model"], report["data"], report["hardware"]
     v = report["versions"]
     parts = [
         f"# Validation report: {m.get('name')}\n",
-        f"- model: {m.get('name')} (CCA g={m.get('group_size')}, s={m.get('local_window')}, "
-        f"pooling {m.get('pooling')}; "
+        f"- model: {m.get('name')} ({_settings(m)}; "
         f"base: {m.get('base_model')}{', finetuned' if m.get('finetuned') else ''})",
         f"- base = {report['base_note']}",
         f"- held-out data: {d['source']} ({d['tokens']:,} tokens{'; ' + d['overlap'] if d.get('overlap') else ''})",
@@ -246,7 +261,7 @@ def plot(report: dict, path: Path) -> None:
         xs = [n for n in lengths if str(n) in report["results"][m]["perplexity"]]
         ys = [report["results"][m]["perplexity"][str(n)]["ppl"] for n in xs]
         color, marker, ls = styles[m]
-        ax.plot(xs, ys, color=color, marker=marker, linestyle=ls, label=LABELS[m])
+        ax.plot(xs, ys, color=color, marker=marker, linestyle=ls, label=label(report, m))
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("context length (tokens)")
@@ -260,7 +275,7 @@ def plot(report: dict, path: Path) -> None:
             pts = [(n, report["results"][m].get("passkey", {}).get(str(n), {}).get("accuracy")) for n in lengths]
             pts = [(n, a) for n, a in pts if a is not None]
             color, marker, ls = styles[m]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, linestyle=ls, label=LABELS[m])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, linestyle=ls, label=label(report, m))
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_ylim(-0.05, 1.05)

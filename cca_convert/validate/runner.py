@@ -120,8 +120,15 @@ class Suite:
 def model_info(config, name: str, base_model: str, finetuned: bool) -> dict:
     from ..families import cca_settings
 
+    dca = getattr(config, "dual_chunk_attention_config", None)
+    if dca and getattr(config, "dca_trained_context", None):
+        return {"name": name, "method": "dca", "base_model": base_model, "base_model_type": config.model_type,
+                "chunk_size": dca["chunk_size"], "local_size": dca["local_size"],
+                "c_orig": dca.get("original_max_position_embeddings") or 0,
+                "trained_context": config.dca_trained_context, "dtype": str(config.dtype), "finetuned": finetuned,
+                "layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
     settings = cca_settings(config)
-    return {"name": name, "base_model": base_model, "base_model_type": config.model_type,
+    return {"name": name, "method": "cca", "base_model": base_model, "base_model_type": config.model_type,
             "group_size": settings["group_size"], "local_window": settings["local_window"],
             "pooling": settings["pooling"],
             "dtype": str(config.dtype), "finetuned": finetuned,
@@ -183,10 +190,11 @@ def stage_baseline(job) -> None:
 
 
 def stage_validate(job) -> None:
-    """After the finetune (if any): the final CCA model, prefill speed, gates, report and model card section."""
+    """After the finetune (if any): the final converted model, prefill speed, gates, report and model card section."""
     state = prepare(job)
     section = job.recipe.validate
     results = state.results
+    name = job.method.upper()
     if "base" not in results:
         results["base"] = state.suite.measure(job.model, "full", "base")
     if job.finetuned:
@@ -197,15 +205,16 @@ def stage_validate(job) -> None:
         results[final] = results.pop("cca_before")
     else:
         final = "cca"
-        results[final] = state.suite.measure(job.model, None, "CCA")
+        results[final] = state.suite.measure(job.model, None, name)
     speed = state.suite.speed(job.model, "full", job.model, None)
-    gates = gates_mod.evaluate(section, results, final)
+    gates = gates_mod.evaluate(section, results, final, name, getattr(job.config, "dca_trained_context", None))
     report = report_mod.build(
         section, results, speed, gates, final=final,
         model=model_info(job.config, job.output.name, job.source, job.finetuned), data=state.suite.data_info,
         recipe_digest=job.recipe.digest(), forced=job.force, device=job.device, timings=dict(job.timings),
         base_note=f"{job.source} as converted, before any finetune, run with its own causal attention "
-                  "(the same weights with attn_backend=full)",
+                  + ("(the same weights with plain RoPE positions, attn_implementation=sdpa)" if name == "DCA" else
+                     "(the same weights with attn_backend=full)"),
     )
     report_mod.write(report, job.staging)
     job.card_extra = (job.card_extra + "\n" if job.card_extra else "") + card_section(report)
@@ -295,12 +304,13 @@ def load_cca_model(folder: Path, device: str):
     from ..families import family_of
 
     raw = json.loads((folder / "config.json").read_text())
+    method = "dca" if raw.get("dual_chunk_attention_config") and "dca_trained_context" in raw else "cca"
     if raw.get("model_type") == "cca":  # exported by cca-convert's first releases
         config = published.load("configuration_cca").CCAConfig.from_pretrained(folder)
         model_cls = published.load("modeling_cca").CCAForCausalLM
     else:
         try:
-            model_cls = published.family_class(family_of(raw))
+            model_cls = published.family_class(family_of(raw), method)
         except ValueError as exc:
             raise CCAError(f"{folder}: {exc}") from None
         config = AutoConfig.from_pretrained(folder)
@@ -337,8 +347,10 @@ def run_validate(argv: list[str]) -> int:
     if not (folder / "config.json").is_file():
         raise CCAError(f"{args.target} has no config.json: pass an exported CCA folder")
     raw = json.loads((folder / "config.json").read_text())
-    if raw.get("model_type") != "cca" and "cca_group_size" not in raw:
-        raise CCAError(f"{args.target} is not a CCA model (its config.json has no cca_* settings): convert it first")
+    is_dca = bool(raw.get("dual_chunk_attention_config")) and "dca_trained_context" in raw
+    if raw.get("model_type") != "cca" and "cca_group_size" not in raw and not is_dca:
+        raise CCAError(f"{args.target} is not a converted model (its config.json has neither cca_* settings nor a "
+                       "dual_chunk_attention_config from cca-convert): convert it first")
     output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
     recipe = _recipe_for(folder, args, repo_id)
     section = recipe.validate
@@ -374,15 +386,17 @@ def run_validate(argv: list[str]) -> int:
     else:
         base, base_backend = model, "full"
         results["base"] = suite.measure(model, "full", "base")
-    results["cca"] = suite.measure(model, None, "CCA")
+    name = "DCA" if is_dca else "CCA"
+    results["cca"] = suite.measure(model, None, name)
     speed = suite.speed(base, base_backend, model, None)
-    gates = gates_mod.evaluate(section, results, "cca")
+    gates = gates_mod.evaluate(section, results, "cca", name, raw.get("dca_trained_context"))
     name = repo_id or local.resolve().name
     report = report_mod.build(
         section, results, speed, gates, final="cca", model=model_info(model.config, name, base_name, finetuned),
         data=suite.data_info, recipe_digest=recipe.digest(), forced=False, device=device,
         base_note=f"{args.base} (--base)" if args.base else "this model's own weights with plain causal attention "
-                  "(attn_backend=full); after a finetune these are the finetuned weights, pass --base for the original",
+                  + ("(attn_implementation=sdpa: plain RoPE positions)" if is_dca else "(attn_backend=full)")
+                  + "; after a finetune these are the finetuned weights, pass --base for the original",
     )
     out = report_mod.write(report, output)
     if repo_id is None and output.resolve() == local.resolve() and readme.is_file():

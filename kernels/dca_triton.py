@@ -1,0 +1,207 @@
+"""Triton kernel for Dual Chunk Attention (forward: prefill, chunked prefill and decode). ``dca_reference.py`` is its
+twin; DCA-SPEC.md the contract.
+
+One FlashAttention-2 style pass with ONE online softmax per query row. A query's keys split into three contiguous
+position ranges, ``inter [0, (n-1)s)``, ``succ [(n-1)s, ns)`` and ``intra [ns, i]`` (``n`` its chunk), and each range
+is read with its own rotation of the query (at ``min(2s-1, C)``, ``min(o+s, C)``, ``o``). So a program walks the key
+tiles of each range with that range's query tile: no per-element choice between three dot products, no three-call
+LSE merge. A key tile straddling a chunk boundary is visited by both ranges with complementary masks (one extra dot
+per boundary). Keys come rotated once at ``j % s`` (the cache layout); queries are rotated, scaled by
+``scale * T * log2(e)`` and stacked by a small PyTorch pre-pass.
+
+GQA-native: a program owns one KV head and stacks ``HP`` of its query heads as rows of one tile (all ``r`` of them
+for decode), so a key/value tile is loaded once for all of them; no ``repeat_kv``.
+Left padding: keys of sequence ``b`` sit at columns ``kstart[b]..`` (pads first, as transformers lays them out);
+key position = column - kstart[b]. Decode splits the key columns over more programs (flash-decoding) and merges the
+splits by their log-sum-exps. Forward only: a DCA model is used training-free (the PyTorch twin is differentiable).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .dca_reference import check_params, rope_at
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
+             stride_qp, stride_qb, stride_qh, stride_qm,
+             stride_kb, stride_kh, stride_kn,
+             stride_vb, stride_vh, stride_vn,
+             stride_os, stride_ob, stride_oh, stride_om,
+             stride_ls, stride_lb, stride_lh,
+             Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, SPLIT_COLS,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
+    pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk = pid_bh % N_CHUNKS
+    g = (pid_bh // N_CHUNKS) % Hkv
+    b = pid_bh // (N_CHUNKS * Hkv)
+    i = tl.arange(0, BLOCK_M)
+    hr = chunk * HP + i // BMP  # query head within the KV group
+    t = pid_m * BMP + i % BMP  # query row
+    ok = (hr < REP) & (t < Lq) & (i // BMP < HP)
+    head = g * REP + hr
+    qpos = tl.load(QPOS + b * Lq + t, mask=ok, other=-1)
+    ok = ok & (qpos >= 0)  # pad queries: no keys, output 0
+    pos = tl.where(ok, qpos, 0)
+    kstart = tl.load(KSTART + b)
+    # key-column ranges of the three parts, per row (empty for pad rows), clipped to this split's columns
+    intra_lo = (pos // S_LEN) * S_LEN
+    succ_lo = tl.maximum(intra_lo - S_LEN, 0)
+    col_lo = pid_s * SPLIT_COLS
+    col_hi = col_lo + SPLIT_COLS
+
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + t[:, None] * stride_qm + d[None, :]
+    k_base = K + b64 * stride_kb + g.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + g.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for part in tl.static_range(3):  # 0 inter, 1 succ, 2 intra
+        if part == 0:
+            lo, hi = tl.zeros_like(pos), succ_lo
+        elif part == 1:
+            lo, hi = succ_lo, intra_lo
+        else:
+            lo, hi = intra_lo, pos + 1
+        lo = tl.maximum(lo + kstart, col_lo)
+        hi = tl.where(ok, tl.minimum(hi + kstart, col_hi), 0)
+        live = hi > lo
+        start = (tl.min(tl.where(live, lo, Lk), 0) // BLOCK_N) * BLOCK_N
+        end = tl.max(tl.where(live, hi, 0), 0)
+        if end > start:
+            q = tl.load(q_base + part * stride_qp, mask=ok[:, None] & dmask[None, :], other=0.0)
+            for n0 in range(start, end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                cmask = cols < Lk
+                k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=cmask[:, None] & dmask[None, :],
+                            other=0.0)
+                v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=cmask[:, None] & dmask[None, :],
+                            other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)
+                inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+                s = tl.where(inside, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+                p = tl.math.exp2(s - m_safe[:, None])
+                alpha = tl.math.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    o_ptr = O + pid_s * stride_os + b64 * stride_ob + head.to(tl.int64)[:, None] * stride_oh + t[:, None] * stride_om
+    wmask = (hr < REP) & (t < Lq) & (i // BMP < HP)
+    tl.store(o_ptr + d[None, :], out.to(O.dtype.element_ty), mask=wmask[:, None] & dmask[None, :])
+    if LSE is not None:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + pid_s * stride_ls + b64 * stride_lb + head * stride_lh + t, lse, mask=wmask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); interpreter: small tiles so that tests cross many tile borders
+_CONFIGS = {"prefill": (128, 64, 8, 3), "decode": (16, 64, 4, 3), "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
+_MIN_ROWS_PER_HEAD = 64  # prefill: a tile holds >= 64 positions of each stacked head
+
+
+def rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, attention_factor=1.0):
+    """(3, B, H, Lq, d) in the keys' dtype: ``q`` rotated at the inter, succ and intra positions, times
+    ``scale * T_b * log2(e)`` (the kernel works in base 2)."""
+    s = chunk_size - local_size
+    o = qpos.clamp_min(0) % s
+    pos = (torch.full_like(o, min(2 * s - 1, chunk_size)), torch.clamp(o + s, max=chunk_size), o)
+    mult = (scale * _LOG2E) * temp.to(torch.float32)[:, None, None, None]
+    heads = q.shape[1]
+    return torch.stack([rope_at(q.float(), p[:, None].expand(-1, heads, -1), inv_freq, attention_factor) * mult
+                        for p in pos])
+
+
+def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
+    """Keys rotated once at ``j % s`` (what a DCA cache holds)."""
+    s = chunk_size - local_size
+    return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
+
+
+def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp,
+                         attention_factor=1.0, splits: int | None = None):
+    """DCA attention output (B, H, Lq, d) in ``v``'s dtype.
+
+    q (B, H, Lq, d) pre-RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``rotate_keys``), v (B, Hkv, Lk, d);
+    qpos (B, Lq) absolute query positions, -1 for pad queries; kstart (B,) the number of leading pad columns of each
+    sequence (key position = column - kstart); temp (B,) the temperature T per sequence (1.0: none).
+    """
+    check_params(chunk_size, local_size)
+    bsz, n_heads, q_len, head_dim = q.shape
+    n_kv, k_len = k_rot.shape[1], k_rot.shape[2]
+    if n_heads % n_kv or v.shape != k_rot.shape or k_rot.dtype != v.dtype:
+        raise ValueError(f"dca_attention_triton: bad shapes/dtypes q {tuple(q.shape)}, k {tuple(k_rot.shape)} "
+                         f"{k_rot.dtype}, v {tuple(v.shape)} {v.dtype}")
+    rep = n_heads // n_kv
+    dtype = v.dtype
+    qr = rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, attention_factor).to(dtype)
+    k_rot = k_rot if k_rot.stride(-1) == 1 else k_rot.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if q.device.type != "cuda":
+        block_m, block_n, warps, stages = _CONFIGS["interpret"]
+    elif dtype == torch.float32:
+        block_m, block_n, warps, stages = _CONFIGS["fp32"]
+    else:
+        block_m, block_n, warps, stages = _CONFIGS["decode" if q_len * rep <= 16 else "prefill"]
+    if q_len * rep <= block_m:  # decode / short passes: every query head of the group in one tile
+        hp = min(rep, block_m)
+        bmp = block_m // hp
+    else:
+        hp = max(1, min(rep, block_m // min(_MIN_ROWS_PER_HEAD, block_m)))
+        bmp = block_m // hp
+    n_chunks = triton.cdiv(rep, hp)
+    m_tiles = triton.cdiv(q_len, bmp)
+    programs = m_tiles * bsz * n_kv * n_chunks
+    if splits is None:  # flash-decoding: enough programs to fill the GPU when there are few query tiles
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
+        splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 1024)))
+    split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
+    splits = triton.cdiv(k_len, split_cols) if k_len else 1
+    qpos32, kstart32 = qpos.to(torch.int32).contiguous(), kstart.to(torch.int32).contiguous()
+    if splits == 1:
+        out = torch.empty(bsz, q_len, n_heads, head_dim, device=q.device, dtype=dtype).transpose(1, 2)
+        o_arg, lse = out.unsqueeze(0), None
+        lse_strides = (0, 0, 0)
+    else:
+        o_arg = torch.empty(splits, bsz, n_heads, q_len, head_dim, device=q.device, dtype=torch.float32)
+        lse = torch.empty(splits, bsz, n_heads, q_len, device=q.device, dtype=torch.float32)
+        lse_strides = lse.stride()[:3]
+    grid = (m_tiles, bsz * n_kv * n_chunks, splits)
+    _dca_fwd[grid](
+        qr, k_rot, v, o_arg, lse, qpos32, kstart32,
+        qr.stride(0), qr.stride(1), qr.stride(2), qr.stride(3),
+        *k_rot.stride()[:3], *v.stride()[:3],
+        *o_arg.stride()[:4], *lse_strides,
+        n_kv, q_len, k_len, rep, n_chunks, chunk_size - local_size, split_cols,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    if splits == 1:
+        return out
+    # merge the splits: each holds a normalised partial output and its log2-sum-exp (-inf when it saw no key)
+    top = lse.amax(0)
+    weights = torch.exp2(lse - torch.where(torch.isfinite(top), top, 0.0))
+    weights = weights / weights.sum(0).clamp_min(1e-30)
+    return (weights[..., None] * o_arg).sum(0).to(dtype)
+
+
+def temperature_per_sequence(kstart, k_len: int, c_orig: int) -> torch.Tensor:
+    """``T = m(L_b)^2`` per sequence, ``L_b`` = the tokens it has (keys after its pads); 1 without ``c_orig``."""
+    length = (k_len - kstart).clamp_min(1).to(torch.float64)
+    if not c_orig:
+        return torch.ones_like(length, dtype=torch.float32)
+    return (torch.clamp(0.1 * torch.log(length / c_orig) + 1, min=1.0) ** 2).to(torch.float32)
+
+
+__all__ = ["dca_attention_triton", "rotate_keys", "rotated_queries", "temperature_per_sequence"]

@@ -1,0 +1,123 @@
+"""The DCA Triton kernel vs its PyTorch twin (DCA-SPEC.md "Must test" 5, 7, 8, 9 at kernel level).
+
+CPU: only under ``TRITON_INTERPRET=1`` at small shapes; GPU (``-m gpu``): long shapes, bf16, Qwen-1M's GQA.
+The kernel takes keys rotated once at ``j % s`` (the cache layout) and the number of leading pad columns per sequence.
+bf16 tolerance, FlashAttention style: max|tri - ref_fp32| <= 2 * max|ref_bf16 - ref_fp32| + atol.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+if not (HAS_CUDA or INTERPRET):
+    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _load(name):
+    from cca_convert import published
+
+    return published.load(name)
+
+
+ref = _load("dca_reference")
+tri = _load("dca_triton")
+
+
+def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None):
+    """Kernel vs reference over the last ``lq`` queries of left-padded sequences of tensor length ``L``."""
+    gen = torch.Generator().manual_seed(seed)
+    lq = lq or L
+    q, k, v = (torch.randn(B, n, x, d, generator=gen).to(DEVICE) for n, x in ((H, lq), (Hkv, L), (Hkv, L)))
+    rot = rotary or d
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))).to(DEVICE)
+    kstart = torch.tensor(pads or [0] * B, device=DEVICE)
+    kpos = torch.arange(L)[None] - kstart[:, None]
+    kvalid, kpos = kpos >= 0, kpos.clamp_min(0)
+    qpos, qvalid = kpos[:, L - lq:], kvalid[:, L - lq:]
+    scale = d ** -0.5
+    expect = ref.dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, C, w, inv_freq, scale, c_orig)
+    kr = tri.rotate_keys(k.to(dtype), kpos, C, w, inv_freq)
+    temp = tri.temperature_per_sequence(kstart, L, c_orig)
+    got = tri.dca_attention_triton(q.to(dtype), kr, v.to(dtype), torch.where(qvalid, qpos, -1), kstart, C, w,
+                                   inv_freq, scale, temp, splits=splits).float()
+    real = qvalid[:, None, :, None].expand_as(expect)
+    err = (got - expect)[real].abs().max().item()
+    assert torch.isfinite(got).all(), "pad rows must be finite"
+    assert (got[~real] == 0).all(), "pad rows are defined as 0"
+    if dtype == torch.float32:
+        assert err < 2e-5, err
+    else:
+        rounded = ref.dca_attention_reference(*(x.to(dtype).float() for x in (q, k, v)), qpos, kpos, kvalid,
+                                              qvalid, C, w, inv_freq, scale, c_orig)
+        bound = 2 * (rounded.to(dtype).float() - expect)[real].abs().max().item() + 1e-2
+        assert err <= bound, (err, bound)
+
+
+# (B, H, Hkv, L, d, C, w): lengths not multiples of s or of the tiles, 1 / 2 / >= 5 chunk boundaries crossed,
+# w = 0 and w = s - 1, s not a multiple of the tiles, GQA r = 1, 4, 5, 7, head dims 64 / 80 / 128
+SHAPES = [
+    (1, 4, 4, 23, 64, 15, 3),  # one boundary (s = 12)
+    (1, 4, 1, 37, 64, 13, 4),  # r = 4, boundaries at 9, 18, 27, 36
+    (2, 5, 1, 45, 80, 7, 0),  # w = 0, r = 5, d = 80, >= 5 boundaries
+    (1, 7, 1, 50, 128, 11, 5),  # w = s - 1, r = 7, d = 128
+    (2, 8, 2, 70, 64, 32, 8),  # s = 24 (tiles of 16 straddle every boundary)
+    (1, 2, 2, 9, 64, 9, 1),  # L <= C + 1: the plain causal attention
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}kv{}L{}d{}C{}w{}".format(*s))
+def test_prefill_matches_reference(shape):
+    case(*shape)
+
+
+@pytest.mark.parametrize("pads", [[0, 11], [6, 0, 29]])
+def test_left_padded_batch(pads):
+    case(len(pads), 4, 2, 41, 64, 10, 2, pads=pads, c_orig=12)  # temperature on, per sequence
+
+
+@pytest.mark.parametrize("lq,splits", [(1, 1), (1, 3), (1, 7), (5, 1), (5, 4), (12, 2)])
+def test_cached_passes(lq, splits):
+    """Decode (lq=1) and chunked prefill (lq>1) over a cache, with the key columns split over several programs
+    (flash-decoding) whose partial results merge by their log-sum-exps."""
+    case(2, 7, 1, 60, 64, 11, 3, pads=[0, 9], lq=lq, splits=splits, c_orig=20)
+
+
+def test_partial_rotary():
+    case(1, 4, 2, 30, 64, 10, 2, rotary=32)
+
+
+def test_reference_matches_naive_with_rotated_keys():
+    """The cache path of the reference (keys rotated once, passed in) equals the spec's literal loop."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 19, 16, generator=gen), torch.randn(1, 2, 19, 16, generator=gen), torch.randn(
+        1, 2, 19, 16, generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    pos, valid = torch.arange(19)[None], torch.ones(1, 19, dtype=torch.bool)
+    naive = ref.dca_attention_naive(q, k, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25)
+    kr = tri.rotate_keys(k, pos, 7, 2, inv_freq)
+    got = ref.dca_attention_reference(q, kr, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25, keys_rotated=True)
+    assert (got - naive).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [
+    (1, 28, 4, 3001, 128, 1024, 128),  # Qwen2.5-7B-1M's heads (r = 7), 3+ chunks, L odd
+    (1, 32, 8, 4500, 128, 768, 96),  # Llama-3.1-8B heads, >= 5 boundaries
+    (2, 8, 8, 2000, 64, 300, 0),  # r = 1, w = 0
+    (1, 20, 4, 1500, 80, 500, 40),  # r = 5, d = 80
+], ids=lambda s: "B{}H{}kv{}L{}d{}C{}w{}".format(*s) if isinstance(s, tuple) else None)
+def test_gpu_long(shape, dtype):
+    case(*shape, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq", [1, 7, 64])
+def test_gpu_decode_over_long_cache(lq):
+    case(2, 28, 4, 20000, 128, 4096, 512, pads=[0, 1234], lq=lq, c_orig=8192, dtype=torch.bfloat16)
