@@ -12,6 +12,10 @@ issue: after <= before and after <= 1.05 x base at every length.
 
     python benchmarks/fidelity.py                 # 2 settings x {lora, qkv, full}; writes benchmarks/results/
     python benchmarks/fidelity.py --quick         # one row (g=16, s=256, LoRA, 40 steps): part of make test-gpu
+    python benchmarks/fidelity.py --dca           # the same base with DCA (training-free) from c to 8c
+
+The ``--dca`` row bar (issue #13): DCA's ppl stays within 1.2x of its ppl at c = 2048 up to 8c, while the base's
+(plain RoPE, same weights) grows by more than 3x.
 """
 
 from __future__ import annotations
@@ -76,6 +80,32 @@ def convert(base: Path, out: Path, g: int, s: int, method: str, steps: int | Non
     return row
 
 
+def dca_row(base: Path, out: Path) -> tuple[str, bool, dict]:
+    cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(REPO / "benchmarks" / "dca_fidelity.yaml"),
+           "--output", str(out), "--overwrite", "--force"]
+    print("\n$ cca-convert " + " ".join(cmd[3:]), flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return "DCA run FAILED: " + (proc.stdout + proc.stderr).strip().splitlines()[-1], False, {}
+    report = json.loads((out / "validation" / "report.json").read_text())
+    c = report["model"]["trained_context"]
+    ppl = {m: {int(n): v["ppl"] for n, v in report["results"][m]["perplexity"].items()} for m in ("base", "cca")}
+    lines = ["| length | base ppl | DCA ppl | base / base@c | DCA / DCA@c |", "|---|---|---|---|---|"]
+    for n in report["context_lengths"]:
+        lines.append(f"| {n} | {ppl['base'][n]:.3f} | {ppl['cca'][n]:.3f} | {ppl['base'][n] / ppl['base'][c]:.3f} | "
+                     f"{ppl['cca'][n] / ppl['cca'][c]:.3f} |")
+    longest = max(report["context_lengths"])
+    ok = (all(ppl["cca"][n] <= 1.2 * ppl["cca"][c] for n in ppl["cca"] if n >= c)
+          and ppl["base"][longest] > 3 * ppl["base"][c])
+    speed = report.get("speed", {})
+    if speed:
+        lines.append("\nprefill (one forward, no cache): " + ", ".join(
+            f"{n}: base {v['base']['latency_s'] * 1e3:.1f} ms, DCA {v['cca']['latency_s'] * 1e3:.1f} ms"
+            for n, v in speed.items()))
+    return "\n".join(lines), ok, {"ppl": ppl, "trained_context": c, "speed": speed}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| g | s | method | length | base ppl | CCA before | CCA after | after/base | after<=before |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -100,6 +130,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one row: 16:256, lora, 40 steps")
     ap.add_argument("--results", type=Path, default=None, help="write the table here (.md) and .json beside it")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dca", action="store_true", help="only the DCA row: base vs DCA from c to 8c")
     args = ap.parse_args()
     if args.quick:
         args.settings, args.methods, args.steps = "16:256", "lora", args.steps or 40
@@ -115,6 +146,16 @@ def main() -> int:
     pretrain_s = ensure_base(args.base, args.device)
     summary = json.loads((args.base / "training_summary.json").read_text()) if (
         args.base / "training_summary.json").is_file() else {}
+    if args.dca:
+        text, ok, data = dca_row(args.base, args.work / "dca")
+        print(f"\nDCA on held-out KJV books ({env['device']}, torch {env['torch']}, transformers "
+              f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048:\n\n{text}\n\n"
+              f"{'PASS' if ok else 'FAIL'}: DCA <= 1.2x its ppl at c up to 8c, base > 3x at 8c")
+        if args.results:
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca`\n\n{text}\n")
+            args.results.with_suffix(".json").write_text(json.dumps({"env": env, **data}, indent=1))
+        return 0 if ok else 1
     rows = []
     for setting in args.settings.split(","):
         g, s = (int(x) for x in setting.split(":"))

@@ -76,7 +76,8 @@ class DCALayerCache(CacheLayerMixin):
         new = (k, v, pos, valid)
         end = self.length + k.shape[2]
         if self.buffers is None or end > self.buffers[0].shape[2]:
-            capacity = max(end, 2 * (self.buffers[0].shape[2] if self.buffers else 0), 256)
+            # room for 1024 more tokens after a prefill, then doubling: appends stay O(1) amortised
+            capacity = max(end + 1024, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
             grown = []
             for i, (x, dim) in enumerate(zip(new, self._SEQ_DIMS)):
                 shape = list(x.shape)

@@ -1,7 +1,8 @@
 """DCA inside transformers' stock classes (modeling/dca_hf.py) at model level, on tiny random checkpoints: it is the
 base model while L <= C + 1, differs after, decodes from its cache exactly like full passes (across chunk
 boundaries, left padding), a padded batch equals each sequence alone, and prompt-lookup (speculative) decoding gives
-the greedy output through the cache's crop. Not wired to the CLI yet."""
+the greedy output through the cache's crop. On a GPU (``-m gpu``) the model with the Triton kernel equals the model
+with the PyTorch twin (prefill, cached decode, chunked prefill, left padding; fp32 and bf16)."""
 
 import copy
 
@@ -88,3 +89,48 @@ def test_prompt_lookup_decoding_equals_greedy_through_crop():
 def test_bad_settings_fail_when_the_model_is_built():
     with pytest.raises(ValueError, match="must be < the chunk length"):
         stock_and_dca("llama", chunk_size=16, local_size=8)
+
+
+def test_bad_backend_and_unprefixed_options_fail_when_the_model_is_built():
+    with pytest.raises(ValueError, match="dca_attn_backend must be one of"):
+        _, model = stock_and_dca("llama")
+        config = copy.deepcopy(model.config)
+        config.dca_attn_backend = "Triton"
+        type(model)(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_gpu_kernel_equals_reference_at_model_level(family, dtype):
+    """The whole model: Triton kernel vs the PyTorch twin, prefill (with left padding) and then cached decode and a
+    chunked-prefill pass across chunk boundaries (C = 24, s = 16; 150 tokens cross 9 boundaries)."""
+    _, model = stock_and_dca(family, original_max_position_embeddings=64)  # temperature on past 64 tokens
+    model = model.to("cuda", dtype)
+    x = ids(length=150).cuda()
+    mask = torch.ones_like(x)
+    mask[1, :13] = 0
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    runs = {}
+    for backend in ("triton", "reference"):
+        model.config.dca_attn_backend = backend
+        with torch.no_grad():
+            full = model(x, attention_mask=mask, use_cache=False).logits.float()
+            cache = model(x[:, :100], attention_mask=mask[:, :100], use_cache=True).past_key_values
+            steps = [model(x[:, 100:120], attention_mask=mask[:, :120], past_key_values=cache).logits]
+            for i in range(120, 150):
+                steps.append(model(x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits)
+        runs[backend] = (full, torch.cat(steps, 1).float())
+    torch.testing.assert_close(runs["triton"][0], runs["reference"][0], **tol)
+    torch.testing.assert_close(runs["triton"][1], runs["reference"][1], **tol)
+    if dtype == torch.float32:  # temperature on: a cached pass equals the full pass only at its last row
+        torch.testing.assert_close(runs["triton"][1][:, -1], runs["triton"][0][:, -1], **tol)
+    model.config.dca_attn_backend = "auto"
+    with torch.no_grad():
+        greedy = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=40, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+        model.config.dca_attn_backend = "reference"
+        twin = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=40, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+    if dtype == torch.float32:
+        assert torch.equal(greedy, twin)

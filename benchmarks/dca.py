@@ -1,0 +1,282 @@
+"""Benchmark: DCA attention (the fused Triton kernel) vs causal SDPA and a ChunkLlama-style three-call merge.
+
+Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, batch 1. DCA sizes: ChunkLlama's
+default for an 8K-trained Llama 3 (c = 8192: chunk_size C = 6144, local_size w = 1024, chunk length s = 5120).
+  python benchmarks/dca.py --out benchmarks/results                  # prefill 32K/128K, decode 32K/128K
+  python benchmarks/dca.py --model --model-lengths 32768,131072      # + whole-model generate() decode
+
+Conventions
+- Median of triton.testing.do_bench, one forward call. DCA has the same FLOPs as causal attention (every query sees
+  every earlier key); useful TFLOP/s = L(L+1)/2 entries x 4d x heads / time for every method.
+- "DCA" = what the model runs per layer: rotate the keys once at j % s, rotate/scale the queries three times
+  (PyTorch pre-pass) and the fused kernel. "DCA kernel" = the kernel alone on pre-rotated inputs.
+- SDPA (cuDNN, flash) runs on already-rotated q/k (RoPE not timed), ``enable_gqa=True`` (no repeat_kv copy),
+  ``is_causal`` (prefill) or one query over the whole cache (decode). The ratio is against the faster of the two.
+- "3-call merge" = ChunkLlama / vLLM's formulation in PyTorch: per chunk one causal flash call (intra) and two
+  non-causal ones (succ, inter) through ``aten._scaled_dot_product_flash_attention`` (which returns the LSE), on
+  repeat_kv'd keys as ChunkLlama does, then an fp32 LSE merge; its query/key rotations are timed too.
+- Decode (attention only): one new query at position L-1 against a cache of L keys, per layer; x32 for a model.
+- ``--model``: Llama-3.1-8B-shaped model with random bf16 weights (32 layers), a real prefill then ``generate()``:
+  ms/token = (time of generate(1 + N tokens) - time of generate(1 token)) / N, DCA model vs the same weights with
+  transformers' SDPA attention (both with their dynamic caches; no static cache or CUDA graph on either side).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cca_convert import published  # noqa: E402
+
+ref = published.load("dca_reference")
+tri = published.load("dca_triton")
+
+H, HKV, D = 32, 8, 128
+CHUNK, LOCAL = 6144, 1024
+
+
+def measure(fn, warmup=5, rep=30):
+    try:
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan")
+
+
+def inputs(L, lq=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lq = lq or L
+    q = torch.randn(1, H, lq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v
+
+
+INV_FREQ = None
+
+
+def inv_freq():
+    global INV_FREQ
+    if INV_FREQ is None:
+        INV_FREQ = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    return INV_FREQ
+
+
+def dca_call(q, k, v, L, lq):
+    qpos = torch.arange(L - lq, L, device="cuda")[None]
+    kpos = torch.arange(L, device="cuda")[None]
+    kstart = torch.zeros(1, dtype=torch.long, device="cuda")
+    temp = torch.ones(1, device="cuda")
+    scale = D ** -0.5
+
+    def full():
+        kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
+
+    kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+
+    def kernel_only():
+        return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
+
+    return full, kernel_only
+
+
+def three_call_merge(q, k, v, L):
+    """ChunkLlama / vLLM's DCA prefill: 3 flash calls per chunk (1 for chunk 0, 2 for chunk 1) + an fp32 LSE merge."""
+    s = CHUNK - LOCAL
+    scale = D ** -0.5
+    pos = torch.arange(L, device="cuda")[None]
+    o = pos % s
+
+    def run():
+        rot = lambda x, p: ref.rope_at(x, p[:, None].expand(-1, x.shape[1], -1), inv_freq()).to(x.dtype)  # noqa: E731
+        kk = rot(k, o).repeat_interleave(H // HKV, 1)
+        vv = v.repeat_interleave(H // HKV, 1)
+        q_intra, q_succ = rot(q, o), rot(q, torch.clamp(o + s, max=CHUNK))
+        q_inter = rot(q, torch.full_like(o, min(2 * s - 1, CHUNK)))
+        out = torch.empty_like(q)
+        for n in range(math.ceil(L / s)):
+            a, b = n * s, min((n + 1) * s, L)
+            parts = [torch.ops.aten._scaled_dot_product_flash_attention(
+                q_intra[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], 0.0, True, False, scale=scale)]
+            if n >= 1:
+                parts.append(torch.ops.aten._scaled_dot_product_flash_attention(
+                    q_succ[:, :, a:b], kk[:, :, a - s:a], vv[:, :, a - s:a], 0.0, False, False, scale=scale))
+            if n >= 2:
+                parts.append(torch.ops.aten._scaled_dot_product_flash_attention(
+                    q_inter[:, :, a:b], kk[:, :, :a - s], vv[:, :, :a - s], 0.0, False, False, scale=scale))
+            lse = torch.stack([p[1] for p in parts])  # (parts, B, H, rows) fp32
+            w = torch.softmax(lse, 0)
+            out[:, :, a:b] = sum(wi[..., None] * p[0].float() for wi, p in zip(w, parts)).to(q.dtype)
+        return out
+
+    return run
+
+
+def sdpa_calls(q, k, v, causal):
+    out = {}
+    for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out[name] = call
+    return out
+
+
+def check_agreement(L=20000):
+    """The three implementations compute the same DCA (bf16): max |difference| vs the fp32 PyTorch twin."""
+    q, k, v = inputs(L)
+    kpos = torch.arange(L, device="cuda")[None]
+    valid = torch.ones(1, L, dtype=torch.bool, device="cuda")
+    last = slice(L - 256, L)  # the twin materialises scores: check the last 256 queries (all three parts)
+    want = ref.dca_attention_blocked(q[:, :, last].float(), k.float(), v.float(), kpos[:, last], kpos, valid,
+                                     valid[:, last], CHUNK, LOCAL, inv_freq(), D ** -0.5)
+    full, _ = dca_call(q, k, v, L, L)
+    got = {"DCA kernel": full()[:, :, last].float(), "3-call merge": three_call_merge(q, k, v, L)()[:, :, last].float()}
+    return {name: float((x - want).abs().max()) for name, x in got.items()}
+
+
+def prefill_rows(lengths):
+    rows = []
+    for L in lengths:
+        q, k, v = inputs(L)
+        full, kernel = dca_call(q, k, v, L, L)
+        kr = tri.rotate_keys(k, torch.arange(L, device="cuda")[None], CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        qr = q  # SDPA's speed does not depend on which rotation its inputs carry (RoPE not timed)
+        times = {"DCA": measure(full), "DCA kernel": measure(kernel)}
+        times.update({f"SDPA {n}": measure(fn) for n, fn in sdpa_calls(qr, kr, v, True).items()})
+        times["3-call merge"] = measure(three_call_merge(q, k, v, L), warmup=2, rep=10)
+        flops = L * (L + 1) / 2 * 4 * D * H
+        rows.append({"L": L, "ms": times, "tflops": {n: flops / t / 1e9 for n, t in times.items()}})
+        del q, k, v, kr, qr
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_rows(lengths):
+    rows = []
+    for L in lengths:
+        q, k, v = inputs(L, lq=1)
+        full, kernel = dca_call(q, k, v, L, 1)
+        times = {"DCA": measure(full, rep=100), "DCA kernel": measure(kernel, rep=100)}
+        times.update({f"SDPA {n}": measure(fn, rep=100) for n, fn in sdpa_calls(q, k, v, False).items()})
+        rows.append({"L": L, "ms": times})
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def model_rows(lengths, new_tokens):
+    import transformers
+
+    from cca_convert.families import FAMILIES
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=H,
+        num_key_value_heads=HKV, max_position_embeddings=8 * 8192, rope_theta=500000.0, tie_word_embeddings=False,
+        dtype="bfloat16")
+    config.dual_chunk_attention_config = {"chunk_size": CHUNK, "local_size": LOCAL,
+                                          "original_max_position_embeddings": 0}
+    cls = published.family_class(FAMILIES["llama"], "dca")
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = cls(config).eval()
+    torch.set_default_dtype(torch.float32)
+    rows = []
+    for L in lengths:
+        ids = torch.randint(0, 128000, (1, L), device="cuda")
+        row = {"L": L}
+        for name, impl in (("DCA", "dca"), ("base (SDPA)", "sdpa")):
+            model.config._attn_implementation = impl
+
+            def gen(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+
+            gen(2)  # warm-up (compiles the kernels for this length)
+            one, many = gen(1), gen(1 + new_tokens)
+            row[name] = {"prefill_s": one, "ms_per_token": (many - one) / new_tokens * 1e3}
+            torch.cuda.empty_cache()
+        rows.append(row)
+    model.config._attn_implementation = "dca"
+    return rows
+
+
+def table(prefill, decode, model, agreement) -> str:
+    out = []
+    if prefill:
+        names = list(prefill[0]["ms"])
+        out.append("Prefill forward (batch 1, 32/8 heads, d 128, bf16), ms (useful TFLOP/s):\n")
+        out.append("| L | " + " | ".join(names) + " | DCA / best SDPA | DCA / 3-call |")
+        out.append("|" + " --- |" * (len(names) + 3))
+        for r in prefill:
+            best = min(r["ms"]["SDPA cuDNN"], r["ms"]["SDPA flash"])
+            cells = [f"{r['ms'][n]:.2f} ({r['tflops'][n]:.0f})" for n in names]
+            out.append(f"| {r['L']} | " + " | ".join(cells) + f" | {best / r['ms']['DCA']:.2f}x speed | "
+                       f"{r['ms']['3-call merge'] / r['ms']['DCA']:.2f}x faster |")
+    if decode:
+        names = list(decode[0]["ms"])
+        out.append("\nDecode attention, one query over an L-key cache, per layer (ms; x32 for a 32-layer model):\n")
+        out.append("| L | " + " | ".join(names) + " | DCA / best SDPA |")
+        out.append("|" + " --- |" * (len(names) + 2))
+        for r in decode:
+            best = min(r["ms"]["SDPA cuDNN"], r["ms"]["SDPA flash"])
+            out.append(f"| {r['L']} | " + " | ".join(f"{r['ms'][n]:.4f}" for n in names)
+                       + f" | {best / r['ms']['DCA']:.2f}x speed |")
+    if model:
+        out.append("\nWhole model (Llama-3.1-8B shape, random bf16 weights), real prefill then generate():\n")
+        out.append("| L | DCA prefill s | DCA ms/token | base prefill s | base ms/token |")
+        out.append("| --- | --- | --- | --- | --- |")
+        for r in model:
+            d, b = r["DCA"], r["base (SDPA)"]
+            out.append(f"| {r['L']} | {d['prefill_s']:.2f} | {d['ms_per_token']:.1f} | {b['prefill_s']:.2f} | "
+                       f"{b['ms_per_token']:.1f} |")
+    if agreement:
+        out.append("\nAgreement with the fp32 PyTorch twin (last 256 queries of L=20000, bf16 inputs): "
+                   + ", ".join(f"{k} max|diff| {v:.2e}" for k, v in agreement.items()))
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--decode-lengths", default="32768,131072")
+    ap.add_argument("--model", action="store_true", help="also time whole-model generate() (random 8B weights)")
+    ap.add_argument("--model-lengths", default="32768")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None, help="folder for dca.md / dca.json")
+    args = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    agreement = check_agreement()
+    prefill = prefill_rows(ints(args.lengths))
+    decode = decode_rows(ints(args.decode_lengths))
+    model = model_rows(ints(args.model_lengths), args.new_tokens) if args.model else []
+    text = f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}\n\n" + table(
+        prefill, decode, model, agreement)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "dca.md").write_text("$ python benchmarks/dca.py " + " ".join(sys.argv[1:]) + "\n\n" + text + "\n")
+        (args.out / "dca.json").write_text(json.dumps({"device": dev, "prefill": prefill, "decode": decode,
+                                                       "model": model, "agreement": agreement}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
