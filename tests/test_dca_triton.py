@@ -37,7 +37,7 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
     rot = rotary or d
     inv_freq = (1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))).to(DEVICE)
     kstart = torch.tensor(pads or [0] * B, device=DEVICE)
-    kpos = torch.arange(L)[None] - kstart[:, None]
+    kpos = torch.arange(L, device=DEVICE)[None] - kstart[:, None]
     kvalid, kpos = kpos >= 0, kpos.clamp_min(0)
     qpos, qvalid = kpos[:, L - lq:], kvalid[:, L - lq:]
     scale = d ** -0.5
