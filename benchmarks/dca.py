@@ -73,17 +73,18 @@ def inv_freq():
 
 
 def dca_call(q, k, v, L, lq):
+    """(what a layer runs: rotate the pass's new keys once + the kernel over the cache; the kernel alone)."""
     qpos = torch.arange(L - lq, L, device="cuda")[None]
     kpos = torch.arange(L, device="cuda")[None]
     kstart = torch.zeros(1, dtype=torch.long, device="cuda")
     temp = torch.ones(1, device="cuda")
     scale = D ** -0.5
+    kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
 
     def full():
-        kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
-        return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
-
-    kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        new = tri.rotate_keys(k[:, :, L - lq:], qpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        keys = new if lq == L else kr  # decode: the cache already holds the older keys rotated
+        return tri.dca_attention_triton(q, keys, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
 
     def kernel_only():
         return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
@@ -144,6 +145,30 @@ def check_agreement(L=20000):
     full, _ = dca_call(q, k, v, L, L)
     got = {"DCA kernel": full()[:, :, last].float(), "3-call merge": three_call_merge(q, k, v, L)()[:, :, last].float()}
     return {name: float((x - want).abs().max()) for name, x in got.items()}
+
+
+SWEEP = [(128, 64, 8, 3, 64), (128, 64, 8, 3, 128), (128, 128, 8, 3, 128), (64, 64, 4, 3, 64), (128, 64, 4, 3, 64),
+         (128, 32, 4, 4, 128), (64, 128, 4, 3, 64), (128, 64, 8, 4, 128)]
+
+
+def sweep(L=32768):
+    """Time the kernel's prefill tile configs (BLOCK_M, BLOCK_N, warps, stages, rows per head); keep the fastest."""
+    q, k, v = inputs(L)
+    _, kernel = dca_call(q, k, v, L, L)
+    best = None
+    for cfg in SWEEP:
+        tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD = cfg[:4], cfg[4]
+        try:
+            ms = measure(kernel)
+        except Exception as exc:  # e.g. out of shared memory
+            print(f"  {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        print(f"  {cfg}: {ms:.2f} ms", flush=True)
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD = best[1][:4], best[1][4]
+    print(f"fastest at L={L}: {best[1]} ({best[0]:.2f} ms)", flush=True)
+    return best[1]
 
 
 def prefill_rows(lengths):
@@ -260,15 +285,19 @@ def main():
     ap.add_argument("--model-lengths", default="32768")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None, help="folder for dca.md / dca.json")
+    ap.add_argument("--sweep", action="store_true", help="first pick the fastest prefill tile config at 32K")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    chosen = sweep() if args.sweep else None
     agreement = check_agreement()
     prefill = prefill_rows(ints(args.lengths))
     decode = decode_rows(ints(args.decode_lengths))
     model = model_rows(ints(args.model_lengths), args.new_tokens) if args.model else []
-    text = f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}\n\n" + table(
+    cfg = chosen or (*tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD)
+    text = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}; prefill tiles "
+            f"(BLOCK_M, BLOCK_N, warps, stages, rows/head) {cfg}\n\n") + table(
         prefill, decode, model, agreement)
     print(text)
     if args.out:

@@ -16,6 +16,8 @@ key position = column - kstart[b]. Decode splits the key columns over more progr
 splits by their log-sum-exps. Forward only: a DCA model is used training-free (the PyTorch twin is differentiable).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,34 @@ import triton.language as tl
 from .dca_reference import check_params, rope_at
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d, dmask,
+          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """One key tile into the running softmax. Interior tiles (every row sees every column) skip the masks."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        cmask = cols < Lk
+        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=dmask[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=dmask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        s = tl.where(inside, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -78,25 +108,23 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
         end = tl.max(tl.where(live, hi, 0), 0)
         if end > start:
             q = tl.load(q_base + part * stride_qp, mask=ok[:, None] & dmask[None, :], other=0.0)
-            for n0 in range(start, end, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                cmask = cols < Lk
-                k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=cmask[:, None] & dmask[None, :],
-                            other=0.0)
-                v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=cmask[:, None] & dmask[None, :],
-                            other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC)
-                inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-                s = tl.where(inside, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
-                p = tl.math.exp2(s - m_safe[:, None])
-                alpha = tl.math.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+            # tiles every live row sees whole: [inner_lo, inner_hi) without masks; the edges with them
+            inner_lo = tl.minimum(((tl.max(tl.where(live, lo, 0), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, end)
+            inner_hi = tl.maximum((tl.min(tl.where(live, hi, Lk), 0) // BLOCK_N) * BLOCK_N, inner_lo)
+            if tl.min(tl.where(ok, live.to(tl.int32), 1), 0) == 0:  # a real row without keys here: mask all
+                inner_lo = end
+                inner_hi = end
+            for n0 in range(start, inner_lo, BLOCK_N):
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
+                                      dmask, BLOCK_N, True, PREC)
+            for n0 in range(inner_lo, inner_hi, BLOCK_N):
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
+                                      dmask, BLOCK_N, False, PREC)
+            for n0 in range(inner_hi, end, BLOCK_N):
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
+                                      dmask, BLOCK_N, True, PREC)
+    has = (l_i > 0) & ok  # pad rows may have run interior tiles (with q = 0): their output is defined as 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     o_ptr = O + pid_s * stride_os + b64 * stride_ob + head.to(tl.int64)[:, None] * stride_oh + t[:, None] * stride_om
     wmask = (hr < REP) & (t < Lq) & (i // BMP < HP)
     tl.store(o_ptr + d[None, :], out.to(O.dtype.element_ty), mask=wmask[:, None] & dmask[None, :])
@@ -115,17 +143,23 @@ def rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, atte
     ``scale * T_b * log2(e)`` (the kernel works in base 2)."""
     s = chunk_size - local_size
     o = qpos.clamp_min(0) % s
-    pos = (torch.full_like(o, min(2 * s - 1, chunk_size)), torch.clamp(o + s, max=chunk_size), o)
+    pos = torch.stack([torch.full_like(o, min(2 * s - 1, chunk_size)), torch.clamp(o + s, max=chunk_size), o])
     mult = (scale * _LOG2E) * temp.to(torch.float32)[:, None, None, None]
-    heads = q.shape[1]
-    return torch.stack([rope_at(q.float(), p[:, None].expand(-1, heads, -1), inv_freq, attention_factor) * mult
-                        for p in pos])
+    bsz, heads, q_len, head_dim = q.shape
+    rotated = rope_at(q.float().expand(3, bsz, heads, q_len, head_dim), pos[:, :, None].expand(-1, -1, heads, -1),
+                      inv_freq, attention_factor)
+    return rotated.mul_(mult)
 
 
 def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
     """Keys rotated once at ``j % s`` (what a DCA cache holds)."""
     s = chunk_size - local_size
     return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp,
@@ -163,7 +197,7 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     m_tiles = triton.cdiv(q_len, bmp)
     programs = m_tiles * bsz * n_kv * n_chunks
     if splits is None:  # flash-decoding: enough programs to fill the GPU when there are few query tiles
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
+        sms = _sm_count(q.device)
         splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 1024)))
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
     splits = triton.cdiv(k_len, split_cols) if k_len else 1
