@@ -131,6 +131,7 @@ class DCALayerCache(CacheLayerMixin):
 class DCACache(Cache):
     def __init__(self, config):
         super().__init__(layers=[DCALayerCache() for _ in range(config.num_hidden_layers)])
+        self.leading_pads_only = None  # of the whole mask (cache + new tokens), set per step by the model
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states  # the dca attention function stores what it needs itself
@@ -165,7 +166,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out = None
     if _use_kernel(module.config, q):
         kstart = (~kvalid).sum(1)
-        if bool((kvalid == (torch.arange(kvalid.shape[1], device=q.device)[None] >= kstart[:, None])).all()):
+        # the kernel reads each sequence's keys as one run after its leading pads; a decode step asks the cache,
+        # which DCAModelMixin.forward filled once per step (one host sync per step, not one per layer)
+        layout = cache.leading_pads_only if isinstance(cache, DCACache) else None
+        if layout is None:
+            layout = _leading_pads_only(kvalid)
+        if layout:
             temp = temperature_per_sequence(kstart, kvalid.shape[1], c_orig)
             out = dca_attention_triton(q.to(value.dtype), k_rot, v, torch.where(qvalid, qpos, -1), kstart, chunk,
                                        local, rotary.inv_freq, scaling, temp, rotary.attention_scaling)
@@ -173,6 +179,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = dca_attention_blocked(q, k_rot, v, qpos, kpos, kvalid, qvalid, chunk, local, rotary.inv_freq, scaling,
                                     c_orig, rotary.attention_scaling, keys_rotated=True, block=QUERY_BLOCK)
     return out.to(value.dtype).transpose(1, 2), None
+
+
+def _leading_pads_only(valid) -> bool:
+    """Whether every row of a (batch, columns) validity mask is pads first, then real tokens only."""
+    start = (~valid).sum(1, keepdim=True)
+    return bool((valid == (torch.arange(valid.shape[1], device=valid.device)[None] >= start)).all())
 
 
 def _use_kernel(config, q) -> bool:
@@ -216,13 +228,17 @@ class DCAModelMixin:
                             "attention (plain RoPE positions, no DCA); leave attn_implementation unset for DCA")
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
-    def forward(self, *args, past_key_values=None, use_cache=None, **kwargs):
+    def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.config._attn_implementation == "dca" and use_cache and not self.training:
             if past_key_values is None or (not isinstance(past_key_values, DCACache)
                                            and past_key_values.get_seq_length() == 0):
                 past_key_values = DCACache(self.config)
-        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        if isinstance(past_key_values, DCACache):
+            past_key_values.leading_pads_only = (None if attention_mask is None or attention_mask.dim() != 2
+                                                 else _leading_pads_only(attention_mask.bool()))
+        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache,
+                               attention_mask=attention_mask, **kwargs)
 
 
 __all__ = ["DCACache", "DCAModelMixin", "dca_attention_forward", "dca_settings"]
