@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of PyTorch; on a GPU machine point this at your CUDA build (e.g. TORCH=torch).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-oldest test-gpu clean
+.PHONY: demo demo-dca test test-oldest test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/cca-convert examples/tiny-llama --recipe recipes/tiny-demo.yaml --output out/tiny-cca --overwrite
+
+demo-dca: $(VENV)/.installed
+	$(VENV)/bin/cca-convert examples/tiny-llama --recipe recipes/dca-tiny-demo.yaml --output out/tiny-dca --overwrite
 
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider

@@ -30,3 +30,21 @@ def test_demo_command_on_the_embedded_model(tmp_path):
     assert front["model-index"][0]["results"][0]["metrics"]
     assert (out / "finetune" / "metrics.jsonl").read_text().count("\n") >= 24
     shutil.rmtree(out)
+
+
+def test_dca_demo_reads_past_the_trained_context(tmp_path):
+    """`make demo-dca`: the embedded model (trained at c = 2048) with DCA, no training; the report shows DCA's
+    perplexity flat from c to 4c (the recipe's 1.2x growth gate) while the base's rises."""
+    out = tmp_path / "tiny-dca"
+    proc = subprocess.run([sys.executable, "-m", "cca_convert.cli", "examples/tiny-llama", "--recipe",
+                           "recipes/dca-tiny-demo.yaml", "--output", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "max |logit diff| = 0.00e+00" in proc.stdout
+    report = json.loads((out / "validation" / "report.json").read_text())
+    assert report["passed"] is True and report["model"]["method"] == "dca"
+    ppl = {m: {int(n): v["ppl"] for n, v in report["results"][m]["perplexity"].items()} for m in ("base", "cca")}
+    assert abs(ppl["cca"][1024] / ppl["base"][1024] - 1) < 1e-5  # L <= C + 1 = 1537: the base model
+    assert ppl["cca"][8192] <= 1.2 * ppl["cca"][2048]
+    assert ppl["base"][8192] > ppl["base"][2048] and ppl["cca"][8192] < ppl["base"][8192]
+    assert "Dual Chunk Attention" in (out / "README.md").read_text()
+    shutil.rmtree(out)
