@@ -20,6 +20,7 @@ USAGE_EXAMPLES = """examples:
   cca-convert meta-llama/Llama-3.1-8B --output llama-3.1-8b-cca
   cca-convert examples/tiny-llama --recipe recipes/tiny-demo.yaml --output out/tiny-cca
   cca-convert ./my-model --set cca.group_size=8 --set cca.local_window=2048
+  cca-convert meta-llama/Llama-2-7b-hf --set method=dca         # Dual Chunk Attention, training-free
 
 other commands:
   cca-convert validate DIR_OR_REPO ...   re-run the validation of an exported model (see validate --help)
@@ -37,7 +38,8 @@ exit status: 0 done; 1 validation gates failed (validate) or an internal error; 
 def convert_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="cca-convert",
-        description="Convert a Hugging Face causal LM to Core Context Aware attention and export a complete Hub repo.",
+        description="Convert a Hugging Face causal LM to Core Context Aware attention (or, with --set method=dca, "
+                    "Dual Chunk Attention) and export a complete Hub repo.",
         epilog=USAGE_EXAMPLES.format(families="\n".join(
             f"  {f.model_type:<12} {f.names} -> recipes/{f.recipe}" for f in FAMILIES.values())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -45,7 +47,7 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SOURCE", help="Hub model id (org/name) or local model folder")
     p.add_argument("--version", action="version", version=f"cca-convert {_version()}")
     p.add_argument("--recipe", type=Path, help="YAML recipe (default: the shipped recipe of the model's family)")
-    p.add_argument("--output", type=Path, help="output folder (default: ./<name>-cca)")
+    p.add_argument("--output", type=Path, help="output folder (default: ./<name>-cca, ./<name>-dca for method dca)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key, e.g. --set cca.group_size=8 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -67,8 +69,8 @@ def _version() -> str:
         return "(source checkout)"
 
 
-def default_output(source: str) -> Path:
-    return Path(f"{Path(source.rstrip('/')).name}-cca")
+def default_output(source: str, method: str = "cca") -> Path:
+    return Path(f"{Path(source.rstrip('/')).name}-{method}")
 
 
 def run_convert(argv: list[str]) -> int:
@@ -79,13 +81,16 @@ def run_convert(argv: list[str]) -> int:
     from .recipe import load_recipe
 
     args = convert_parser().parse_args(argv)
-    output = args.output or default_output(args.source)
+    from .recipe import parse_overrides
+
+    recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
+    method = recipe.method if recipe else dict(parse_overrides(args.overrides)).get("method", "cca")
+    output = args.output or default_output(args.source, method if method in ("cca", "dca") else "cca")
     check_output(output, args.overwrite)  # fail before any download
     if args.push_to_hub:
         from .publish import preflight
 
         preflight(args.push_to_hub, revision=args.hub_revision, create_pr=args.create_pr)
-    recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
     base_dir = resolve_source(args.source, args.revision)
     family = read_base_config(base_dir)["model_type"]
     if recipe is None:
