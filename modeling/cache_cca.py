@@ -37,6 +37,7 @@ except ImportError:  # triton is optional
     cca_decode_append_triton = cca_decode_attention_triton = None
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
+ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
 
 
 def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale):
@@ -99,7 +100,7 @@ class CCALayerCache(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # the last forward pass only (up to ROLLBACK columns): see crop()
     supports_early_init = False
     force_triton = False  # tests: run the Triton decode kernels on CPU tensors (TRITON_INTERPRET=1)
 
@@ -109,6 +110,8 @@ class CCALayerCache(CacheLayerMixin):
         self.cols = 0  # columns processed, pads included (what generate() calls the sequence length)
         self.max_seen = 0  # host-side upper bound of max_b T_b (sizes buffers without a device sync)
         self.seen = None  # (B,) real tokens per sequence
+        self.record_past = False  # transformers asks this of caches it may crop after a one-token step
+        self._undo = None  # how to go back to the start of the last forward pass (see crop)
 
     # --- transformers Cache layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -154,8 +157,46 @@ class CCALayerCache(CacheLayerMixin):
     def prefetch(self):
         pass
 
+    def activate_past_recording(self):
+        self.record_past = True
+
+    def _state(self, clone: bool) -> dict:
+        names = ("seen", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin", "core_k", "core_v")
+        state = {n: getattr(self, n).clone() if clone and n not in ("seen", "core_k", "core_v") else getattr(self, n)
+                 for n in names}
+        state.update(cols=self.cols, max_seen=self.max_seen)
+        return state
+
     def crop(self, tokens_to_remove: int):
-        raise NotImplementedError("a CCA cache cannot be cropped: pooled groups cannot be un-pooled")
+        """Drop the last columns again (rejected draft tokens): ``-n`` drops ``n``, 0 is a no-op (transformers >=
+        5.18), a positive value is the length to keep (older versions). Pooled groups cannot be un-pooled, so this
+        goes back at most to the start of the last forward pass (the verification pass of assisted or
+        prompt-lookup decoding), at most ROLLBACK columns: it restores the state from before that pass and
+        re-runs the pass's kept columns, which gives exactly the state of a run that never saw the dropped ones."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
+        keep = self.cols + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.cols)
+        if keep == self.cols:
+            return
+        undo = self._undo
+        if undo is None or keep < undo["cols"]:
+            raise NotImplementedError(
+                f"a CCA cache can drop only columns of its last forward pass (at most {ROLLBACK}, and after a one-token "
+                "step only once transformers called activate_past_recording): pooled groups cannot be un-pooled. "
+                f"Asked to keep {keep} of {self.cols} columns; the last pass started at "
+                f"{undo['cols'] if undo else 'an unknown column'}")
+        self._undo = None
+        if "tail" in undo:  # the prefill: its pooled groups stay, its rings are rebuilt from the kept prompt tail
+            self._rings_from(*undo["tail"], self.seen - (self.cols - keep), keep)
+            return
+        for name, value in undo["state"].items():
+            setattr(self, name, value)
+        n = keep - undo["cols"]
+        if n:
+            q, k, v, cos, sin, mask, scale = undo["inputs"]
+            mask = None if mask is None else mask[:, :n]
+            args = (q[:, :, :n], k[:, :, :n], v[:, :, :n], cos[:, :n], sin[:, :n], mask, scale)
+            (self._decode if n == 1 else self._extend)(*args)
+            self._undo = None
 
     def nbytes(self) -> int:
         """Bytes held by this layer's state tensors."""
@@ -170,9 +211,16 @@ class CCALayerCache(CacheLayerMixin):
         if self.seen is None:
             return self._prefill(q, k, v, cos, sin, mask, scale)
         cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
-        if q.shape[2] == 1:
-            return self._decode(q, k, v, cos, sin, mask, scale)
-        return self._extend(q, k, v, cos, sin, mask, scale)
+        one = q.shape[2] == 1
+        # what crop() needs to undo this pass: the state before it (a one-token step writes in place: copies,
+        # only when transformers announced a crop; a longer pass replaces the rings: references) and its inputs
+        rollback = q.shape[2] <= ROLLBACK and (self.record_past or not one)
+        undo = {"cols": self.cols, "state": self._state(clone=one)} if rollback else None
+        out = (self._decode if one else self._extend)(q, k, v, cos, sin, mask, scale)
+        if undo is not None:
+            undo["inputs"] = (q, k, v, cos, sin, mask, scale)
+        self._undo = undo
+        return out
 
     def _grow_core(self, needed: int):
         have = self.core_k.shape[2]
@@ -195,14 +243,26 @@ class CCALayerCache(CacheLayerMixin):
             out = shift_rows(out, seq_len - n_pad, 2)
 
         seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=q.device)
-        # Only the window's keys are kept rotated: rotate those rows, not the whole prompt again.
-        cos_w, sin_w = (_ring_gather(x[:, None], seen, window) for x in (cos, sin))
-        self.win_k, self.win_v = apply_rope(_ring_gather(k, seen, window), cos_w, sin_w), _ring_gather(v, seen, window)
-        self.grp_k = _ring_gather(k, seen, g)
-        mid = ((seen // g) * g + g // 2).clamp(max=seq_len - 1)[:, None]  # current group's middle (if seen)
-        self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]
-        self.seen, self.cols, self.max_seen = seen, seq_len, seq_len
+        # crop() may drop up to ROLLBACK columns of this pass: keep the prompt's tail (real tokens first) that the
+        # rings would then be rebuilt from
+        start = max(0, (int(seen.min()) if mask is not None else seq_len) - window - ROLLBACK)  # one sync
+        tail = (k[:, :, start:], v[:, :, start:], cos[:, start:], sin[:, start:], start)
+        self._rings_from(*tail, seen, seq_len)
+        self._undo = {"cols": max(0, seq_len - ROLLBACK), "tail": tail}
         return out
+
+    def _rings_from(self, k, v, cos, sin, start, seen, cols):
+        """The rings and group-middle tables of rows that have seen ``seen`` real tokens (real tokens first),
+        from their keys/values/tables at columns ``start ..``."""
+        g, window = self.config.group_size, self.config.local_window + self.config.group_size - 1
+        rel = seen - start
+        # Only the window's keys are kept rotated: rotate those rows, not the whole prompt again.
+        cos_w, sin_w = (_ring_gather(x[:, None], rel, window) for x in (cos, sin))
+        self.win_k, self.win_v = apply_rope(_ring_gather(k, rel, window), cos_w, sin_w), _ring_gather(v, rel, window)
+        self.grp_k = _ring_gather(k, rel, g)
+        mid = ((seen // g) * g + g // 2 - start).clamp(0, cos.shape[1] - 1)[:, None]  # current group's middle
+        self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]
+        self.seen, self.cols, self.max_seen = seen, cols, cols
 
     def _decode(self, q, k, v, cos, sin, mask, scale):
         cfg = self.config

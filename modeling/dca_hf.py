@@ -125,6 +125,7 @@ class DCALayerCache(CacheLayerMixin):
         """Rejected draft tokens go away: ``-n`` drops the last ``n`` columns and 0 is a no-op (transformers >= 5.2x);
         a positive value is the length to keep (what older versions pass). Keys are rotated at their own position
         only, so nothing else changes."""
+        tokens = int(tokens)  # transformers 5.17 passes a 0-d tensor
         self.length = self.length + tokens if tokens <= 0 else min(tokens, self.length)
 
 
