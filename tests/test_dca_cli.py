@@ -162,3 +162,8 @@ def test_validate_reports_dca_against_plain_rope(tmp_path):
     assert ppl["base"]["perplexity"]["32"]["ppl"] == pytest.approx(ppl["cca"]["perplexity"]["32"]["ppl"], rel=1e-5)
     assert ppl["base"]["perplexity"]["256"]["ppl"] != pytest.approx(ppl["cca"]["perplexity"]["256"]["ppl"], rel=1e-7)
     assert "| context | base ppl | DCA ppl | DCA / base |" in (out / "validation" / "report.md").read_text()
+    # and `cca-convert validate` re-runs it on the exported folder (base = the same weights with plain RoPE)
+    assert main(["validate", str(out), "--output", str(tmp_path / "again"), "--set", "validate.context_lengths=[32,256]"]) == 0
+    again = json.loads((tmp_path / "again" / "validation" / "report.json").read_text())
+    assert again["model"]["method"] == "dca"
+    assert [g["length"] for g in again["gates"] if g["gate"] == "max_ppl_growth"] == [256]
