@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import export, roundtrip
-from .convert import build_config
+from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
 from .model_card import build_model_card
@@ -91,6 +91,10 @@ class Job:
 def stage_convert(job: Job) -> None:
     job.config = build_config(job.base_dir, job.recipe)
     c = job.config
+    # validation lengths given relative to the trained context ("8c") become tokens now that c is known
+    trained = getattr(c, "dca_trained_context", None) or read_base_config(job.base_dir).get(
+        "max_position_embeddings") or c.max_position_embeddings
+    job.recipe = job.recipe.model_copy(update={"validate": job.recipe.validate.resolved(trained)})
     if job.method == "dca":
         d = c.dual_chunk_attention_config
         job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "

@@ -114,6 +114,8 @@ def test_qwen_1m_style_checkpoint_uses_its_own_config_verbatim(tmp_path, capsys)
      r"recipe.yaml:3: finetune.enabled: method dca is training-free"),
     ("method: dca\ndca:\n  chunk_size: 1\n", [], r"recipe.yaml:3: dca.chunk_size: .*greater than or equal to 2"),
     ("method: dcaa\n", [], r"recipe.yaml:1: method: .*'cca' or 'dca'"),
+    ("method: dca\nvalidate:\n  context_lengths: [c, 3k]\n", [],
+     r"recipe.yaml:3: validate.context_lengths: .*'3k' is not a length: give tokens"),
 ])
 def test_bad_dca_values_are_recipe_errors_with_file_and_line(tmp_path, capsys, recipe, sets, expect):
     import re
@@ -151,11 +153,12 @@ def test_validate_reports_dca_against_plain_rope(tmp_path):
     out = tmp_path / "out"
     assert main([str(base), "--output", str(out), "--set", "method=dca", "--set", "validate.data.dataset=null",
                  "--set", f"validate.data.files=[{text}]",
-                 "--set", "validate.context_lengths=[32,64,256]", "--set", "validate.windows=1",
+                 "--set", "validate.context_lengths=[c/2,c,4c]", "--set", "validate.windows=1",
                  "--set", "validate.passkey_trials=0", "--set", "validate.speed=false", "--set", "export.dtype=float32",
                  "--set", "validate.max_ppl_ratio=null", "--set", "validate.max_ppl_growth=1000", "--force"]) == 0
     report = json.loads((out / "validation" / "report.json").read_text())
     assert report["model"]["method"] == "dca" and report["model"]["trained_context"] == 64
+    assert report["context_lengths"] == [32, 64, 256]  # "c/2", "c", "4c" of the base's c = 64
     gates = [g for g in report["gates"] if g["gate"] == "max_ppl_growth"]
     assert [g["length"] for g in gates] == [256] and gates[0]["passed"]
     ppl = report["results"]

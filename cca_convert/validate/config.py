@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 from pydantic import Field, field_validator
@@ -28,8 +29,10 @@ class HeldoutData(TextSource):
 class ValidateSection(Section):
     enabled: bool = True
     data: HeldoutData = HeldoutData()
-    context_lengths: list[int] = Field(default_factory=lambda: [4096, 8192, 16384, 32768],
-                                       description="perplexity / passkey / speed lengths, in tokens")
+    context_lengths: list[int | str] = Field(
+        default_factory=lambda: [4096, 8192, 16384, 32768],
+        description="perplexity / passkey / speed lengths: tokens, or relative to the base's trained context c "
+                    "(\"c\", \"8c\", \"c/4\"), resolved when the model is known")
     windows: int = Field(4, ge=1, description="perplexity windows per length (at most; evenly spread)")
     stride: int | None = Field(None, ge=1, description="distance between candidate window starts (default: the length, "
                                                           "i.e. non-overlapping windows)")
@@ -54,9 +57,28 @@ class ValidateSection(Section):
     def _lengths(cls, v):
         if not v:
             raise ValueError("give at least one context length")
-        if any(n < 2 for n in v):
+        for n in v:
+            if isinstance(n, str) and not RELATIVE.fullmatch(n.strip()):
+                raise ValueError(f"{n!r} is not a length: give tokens (4096) or a multiple of the trained context "
+                                 "c (\"c\", \"8c\", \"c/4\")")
+        if any(isinstance(n, int) and n < 2 for n in v):
             raise ValueError("context lengths must be >= 2")
-        return sorted(set(v))
+        return sorted(set(v)) if all(isinstance(n, int) for n in v) else v
+
+    def resolved(self, trained_context: int) -> "ValidateSection":
+        """A copy with relative lengths ("8c", "c/4") turned into tokens of a base trained at ``trained_context``."""
+        if all(isinstance(n, int) for n in self.context_lengths):
+            return self
+        lengths = [n if isinstance(n, int) else relative_length(n, trained_context) for n in self.context_lengths]
+        return self.model_copy(update={"context_lengths": sorted(set(lengths))})
+
+
+RELATIVE = re.compile(r"(\d+)?c(/(\d+))?")
+
+
+def relative_length(text: str, trained_context: int) -> int:
+    m = RELATIVE.fullmatch(text.strip())
+    return max(2, int(m.group(1) or 1) * trained_context // int(m.group(3) or 1))
 
     @field_validator("passkey_depths")
     @classmethod

@@ -353,7 +353,8 @@ def run_validate(argv: list[str]) -> int:
                        "dual_chunk_attention_config from cca-convert): convert it first")
     output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
     recipe = _recipe_for(folder, args, repo_id)
-    section = recipe.validate
+    raw_config = json.loads((folder / "config.json").read_text())
+    section = recipe.validate.resolved(raw_config.get("dca_trained_context") or raw_config["max_position_embeddings"])
 
     config = json.loads((folder / "config.json").read_text())
     context = config.get("max_position_embeddings")
