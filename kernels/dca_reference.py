@@ -81,6 +81,17 @@ def rope_at(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, attentio
     return torch.cat([(xr * cos + rotated * sin).to(x.dtype), rest], -1)
 
 
+def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
+    """Keys rotated once at ``j % s`` (what a DCA cache holds); ``kpos`` (B, Lk), pads may be any value."""
+    s = chunk_size - local_size
+    return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
+
+
+def temperature_per_sequence(kstart, k_len: int, c_orig: int) -> torch.Tensor:
+    """``T = m(L_b)^2`` per sequence (float32), ``L_b`` = its keys after its ``kstart`` leading pads."""
+    return temperature((k_len - kstart).clamp_min(1), c_orig).to(torch.float32)
+
+
 def _batch_length(kpos, kvalid):
     """Tokens each sequence's pass sees (for the temperature): 1 + its largest real key position."""
     return (torch.where(kvalid, kpos, torch.full_like(kpos, -1)).amax(-1) + 1).clamp_min(1)
@@ -258,5 +269,6 @@ def plain_rope_attention(q, k, v, qpos, kpos, kvalid, qvalid, inv_freq, scale, a
     return torch.einsum("bhqk,bhkd->bhqd", probs, v.to(dtype).repeat_interleave(rep, 1)).to(q.dtype)
 
 
-__all__ = ["check_params", "dca_attention_blocked", "dca_attention_lse_merge", "dca_attention_naive", "dca_attention_reference",
-           "plain_rope_attention", "positions", "resolve_params", "rope_at", "temperature"]
+__all__ = ["check_params", "dca_attention_blocked", "dca_attention_lse_merge", "dca_attention_naive",
+           "dca_attention_reference", "plain_rope_attention", "positions", "resolve_params", "rope_at", "rotate_keys",
+           "temperature", "temperature_per_sequence"]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dca_reference import check_params, rope_at
+from .dca_reference import check_params, rope_at, rotate_keys, temperature_per_sequence  # noqa: F401 (re-exported)
 
 _LOG2E = 1.4426950408889634
 
@@ -152,12 +152,6 @@ def rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, atte
     return rotated.mul_(mult)
 
 
-def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
-    """Keys rotated once at ``j % s`` (what a DCA cache holds)."""
-    s = chunk_size - local_size
-    return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -229,14 +223,6 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     weights = torch.exp2(lse - torch.where(torch.isfinite(top), top, 0.0))
     weights = weights / weights.sum(0).clamp_min(1e-30)
     return (weights[..., None] * o_arg).sum(0).to(dtype)
-
-
-def temperature_per_sequence(kstart, k_len: int, c_orig: int) -> torch.Tensor:
-    """``T = m(L_b)^2`` per sequence, ``L_b`` = the tokens it has (keys after its pads); 1 without ``c_orig``."""
-    length = (k_len - kstart).clamp_min(1).to(torch.float64)
-    if not c_orig:
-        return torch.ones_like(length, dtype=torch.float32)
-    return (torch.clamp(0.1 * torch.log(length / c_orig) + 1, min=1.0) ** 2).to(torch.float32)
 
 
 __all__ = ["dca_attention_triton", "rotate_keys", "rotated_queries", "temperature_per_sequence"]

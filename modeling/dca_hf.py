@@ -16,21 +16,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
 from transformers.utils import logging
 
 from .attention_hooks import capture_hook, dispatching, unrope
-from .dca_reference import check_params, dca_attention_blocked
+from .dca_reference import check_params, dca_attention_blocked, rotate_keys, temperature_per_sequence
 
-try:  # the kernel needs triton; CPU-only installs run the reference
-    from .dca_triton import dca_attention_triton, rotate_keys, temperature_per_sequence
+try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
+    from .dca_triton import dca_attention_triton
 except ImportError:  # pragma: no cover
     dca_attention_triton = None
-    from .dca_reference import rope_at
-
-    def rotate_keys(k, kpos, chunk_size, local_size, inv_freq, attention_factor=1.0):
-        s = chunk_size - local_size
-        return rope_at(k, (kpos.clamp_min(0) % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
 
 logger = logging.get_logger(__name__)
 
