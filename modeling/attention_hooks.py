@@ -8,6 +8,60 @@ stored: the one of the copy that built the module.
 
 import sys
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+class MethodModelMixin:
+    """What a method's mixin (``CCAModelMixin``, ``DCAModelMixin``) shares, in front of a stock causal-LM class: the
+    attention implementation defaults to the method's registered function, its pre-hook sits on every attention
+    module, another ``attn_implementation`` runs the base's own attention (with a warning), and attention weights,
+    which the method never forms, are refused rather than returned as ``None``."""
+
+    method = ""  # the registered attention function's name ("cca", "dca")
+    no_weights = ""  # why output_attentions cannot be honoured
+
+    def _hook_attention_modules(self, implementation):
+        for module in self.modules():
+            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
+                module.register_forward_pre_hook(capture_hook(self.method, implementation), with_kwargs=True)
+                yield module
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation is None or attn_implementation == self.method:
+            return self.method
+        name = self.method.upper()
+        logger.warning_once(f"attn_implementation={attn_implementation!r}: this model runs its base model's own "
+                            f"attention, without {name} (leave attn_implementation unset for {name})")
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def _refuse_attention_weights(self, output_attentions):
+        if output_attentions and self.config._attn_implementation == self.method:
+            raise ValueError(f"output_attentions=True: {self.no_weights}; load the model with "
+                             "attn_implementation='eager' to inspect the base model's attention weights")
+
+
+def crop_length(length: int, tokens) -> int:
+    """The length a cache keeps after ``crop(tokens)``: ``-n`` drops ``n`` columns and 0 keeps all (transformers >=
+    5.18), a positive value is the length to keep (older versions, which also pass 0-d tensors)."""
+    tokens = int(tokens)
+    return length + tokens if tokens <= 0 else min(tokens, length)
+
+
+class BatchOpsMixin:
+    """``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search, contrastive search)
+    for a cache layer that applies a function to each of its batch-first tensors with ``_map(fn)``."""
+
+    def reorder_cache(self, beam_idx):
+        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_select_indices(self, indices):
+        self._map(lambda x: x[indices])
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
+
 
 def capture_hook(method: str, implementation):
     """A forward pre-hook storing (position_embeddings, past_key_values, implementation) on the attention module."""

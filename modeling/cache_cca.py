@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .attention_cca import cca_attention, left_padding, shift_rows
+from .attention_hooks import BatchOpsMixin, crop_length
 from .cca_reference import apply_rope, pool_core_tokens
 
 try:
@@ -95,7 +96,7 @@ def _rows(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
     return x.gather(dim, idx.view(shape).expand(expand))
 
 
-class CCALayerCache(CacheLayerMixin):
+class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     """Compressed state of one attention layer (see the module docstring)."""
 
     is_sliding = False
@@ -142,15 +143,6 @@ class CCALayerCache(CacheLayerMixin):
             for name in self._tensors():
                 setattr(self, name, fn(getattr(self, name)))
 
-    def reorder_cache(self, beam_idx):
-        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_select_indices(self, indices):
-        self._map(lambda x: x[indices])
-
-    def batch_repeat_interleave(self, repeats: int):
-        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
-
     def offload(self):
         self._map(lambda x: x.to("cpu", non_blocking=True))
 
@@ -173,16 +165,15 @@ class CCALayerCache(CacheLayerMixin):
         goes back at most to the start of the last forward pass (the verification pass of assisted or
         prompt-lookup decoding), at most ROLLBACK columns: it restores the state from before that pass and
         re-runs the pass's kept columns, which gives exactly the state of a run that never saw the dropped ones."""
-        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
-        keep = self.cols + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.cols)
+        keep = crop_length(self.cols, tokens_to_remove)
         if keep == self.cols:
             return
         undo = self._undo
         if undo is None or keep < undo["cols"]:
-            raise NotImplementedError(
-                f"a CCA cache can drop only columns of its last forward pass (at most {ROLLBACK}, and after a one-token "
-                "step only once transformers called activate_past_recording): pooled groups cannot be un-pooled. "
-                f"Asked to keep {keep} of {self.cols} columns; the last pass started at "
+            raise RuntimeError(  # as transformers' sliding-window layers refuse a crop they cannot undo
+                f"a CCA cache can drop only columns of its last forward pass (at most {ROLLBACK}, and after a "
+                "one-token step only once transformers called activate_past_recording): pooled groups cannot be "
+                f"un-pooled. Asked to keep {keep} of {self.cols} columns; the last pass started at "
                 f"{undo['cols'] if undo else 'an unknown column'}")
         self._undo = None
         if "tail" in undo:  # the prefill: its pooled groups stay, its rings are rebuilt from the kept prompt tail

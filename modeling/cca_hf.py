@@ -24,13 +24,10 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-from transformers.utils import logging
 
-from .attention_hooks import capture_hook, dispatching, unrope
+from .attention_hooks import MethodModelMixin, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import CCACache, CCALayerCache
-
-logger = logging.get_logger(__name__)
 
 DEFAULTS = {"group_size": 16, "local_window": 1024, "pooling": "kv", "attn_backend": "auto"}
 CHOICES = {"pooling": ("kv", "query"), "attn_backend": ("auto", "triton", "reference", "full")}
@@ -139,8 +136,11 @@ AttentionInterface.register("cca", cca_attention_forward)
 AttentionMaskInterface.register("cca", flash_attention_mask)  # the 2-D padding mask (or None), as CCA expects
 
 
-class CCAModelMixin:
+class CCAModelMixin(MethodModelMixin):
     """Put in front of a stock causal-LM class: ``class CCAQwen3ForCausalLM(CCAModelMixin, Qwen3ForCausalLM)``."""
+
+    method = "cca"
+    no_weights = "CCA computes no attention matrix (core tokens and a local window share one softmax)"
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & set(DEFAULTS))
@@ -149,23 +149,11 @@ class CCAModelMixin:
                              f"from_pretrained(..., cca_{unprefixed[0]}=...)")
         check_settings(config)
         super().__init__(config, *args, **kwargs)
-        for module in self.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
-                module.register_forward_pre_hook(capture_hook("cca", _attention), with_kwargs=True)
-
-    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        if attn_implementation is None or attn_implementation == "cca":
-            return "cca"
-        logger.warning_once(f"attn_implementation={attn_implementation!r}: this model runs its base model's own "
-                            "attention, without CCA (leave attn_implementation unset for CCA)")
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        list(self._hook_attention_modules(_attention))
 
     def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, **kwargs):
         uses_cca = self.config._attn_implementation == "cca"
-        if output_attentions and uses_cca:
-            raise ValueError("output_attentions=True: CCA computes no attention matrix (core tokens and a local "
-                             "window share one softmax); load the model with attn_implementation='eager' to inspect "
-                             "the base model's attention weights")
+        self._refuse_attention_weights(output_attentions)
         if output_attentions is not None:
             kwargs["output_attentions"] = output_attentions
         use_cache = self.config.use_cache if use_cache is None else use_cache

@@ -16,17 +16,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-from transformers.utils import logging
 
-from .attention_hooks import capture_hook, dispatching, unrope
+from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, unrope
 from .dca_reference import check_params, dca_attention_blocked, rotate_keys, temperature_per_sequence
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
     from .dca_triton import dca_attention_triton
 except ImportError:  # pragma: no cover
     dca_attention_triton = None
-
-logger = logging.get_logger(__name__)
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
 BACKENDS = ("auto", "triton", "reference")
@@ -43,7 +40,7 @@ def dca_settings(config) -> tuple[int, int, int]:
     return chunk, local, cfg.get("original_max_position_embeddings") or 0
 
 
-class DCALayerCache(CacheLayerMixin):
+class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
     """Every key of one layer (DCA evicts nothing), rotated once at ``j % s``, its value, its position and whether
     it is a real token; stored in buffers with spare room along the sequence."""
 
@@ -106,21 +103,11 @@ class DCALayerCache(CacheLayerMixin):
         if self.buffers is not None:
             self.buffers = [fn(x) for x in self.buffers]
 
-    def reorder_cache(self, beam_idx):
-        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_select_indices(self, indices):
-        self._map(lambda x: x[indices])
-
-    def batch_repeat_interleave(self, repeats: int):
-        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
-
     def crop(self, tokens: int):
         """Rejected draft tokens go away: ``-n`` drops the last ``n`` columns and 0 is a no-op (transformers >= 5.2x);
         a positive value is the length to keep (what older versions pass). Keys are rotated at their own position
         only, so nothing else changes."""
-        tokens = int(tokens)  # transformers 5.17 passes a 0-d tensor
-        self.length = self.length + tokens if tokens <= 0 else min(tokens, self.length)
+        self.length = crop_length(self.length, tokens)
 
 
 class DCACache(Cache):
@@ -200,8 +187,11 @@ AttentionInterface.register("dca", dca_attention_forward)
 AttentionMaskInterface.register("dca", flash_attention_mask)
 
 
-class DCAModelMixin:
+class DCAModelMixin(MethodModelMixin):
     """Put in front of a stock causal-LM class: ``class DCAQwen2ForCausalLM(DCAModelMixin, Qwen2ForCausalLM)``."""
+
+    method = "dca"
+    no_weights = "DCA's kernel forms no attention matrix"
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size"})
@@ -211,19 +201,14 @@ class DCAModelMixin:
         dca_settings(config)  # bad values fail when the model is built
         super().__init__(config, *args, **kwargs)
         rotary = self.model.rotary_emb
-        for module in self.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-                module.register_forward_pre_hook(capture_hook("dca", _attention), with_kwargs=True)
-                object.__setattr__(module, "_dca_rotary", rotary)  # a reference, not a submodule
+        for module in self._hook_attention_modules(_attention):
+            object.__setattr__(module, "_dca_rotary", rotary)  # a reference, not a submodule
 
-    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        if attn_implementation is None or attn_implementation == "dca":
-            return "dca"
-        logger.warning_once(f"attn_implementation={attn_implementation!r}: this model runs its base model's own "
-                            "attention (plain RoPE positions, no DCA); leave attn_implementation unset for DCA")
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
-
-    def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
+    def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, output_attentions=None,
+                **kwargs):
+        self._refuse_attention_weights(output_attentions)
+        if output_attentions is not None:
+            kwargs["output_attentions"] = output_attentions
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.config._attn_implementation == "dca" and use_cache and not self.training:
             if past_key_values is None or (not isinstance(past_key_values, DCACache)

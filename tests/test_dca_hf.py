@@ -86,6 +86,12 @@ def test_prompt_lookup_decoding_equals_greedy_through_crop():
     assert torch.equal(lookup, greedy)
 
 
+def test_attention_weights_are_refused_not_returned_as_none():
+    _, model = stock_and_dca("llama")
+    with pytest.raises(ValueError, match="output_attentions=True: DCA.*attn_implementation='eager'"):
+        model(ids(), output_attentions=True)
+
+
 def test_bad_settings_fail_when_the_model_is_built():
     with pytest.raises(ValueError, match="must be < the chunk length"):
         stock_and_dca("llama", chunk_size=16, local_size=8)
