@@ -22,6 +22,7 @@ Conventions
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -62,14 +63,9 @@ def inputs(L, lq=None, seed=0):
     return q, k, v
 
 
-INV_FREQ = None
-
-
+@functools.lru_cache(maxsize=None)
 def inv_freq():
-    global INV_FREQ
-    if INV_FREQ is None:
-        INV_FREQ = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
-    return INV_FREQ
+    return 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
 
 
 def dca_call(q, k, v, L, lq):
@@ -79,10 +75,10 @@ def dca_call(q, k, v, L, lq):
     kstart = torch.zeros(1, dtype=torch.long, device="cuda")
     temp = torch.ones(1, device="cuda")
     scale = D ** -0.5
-    kr = tri.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+    kr = ref.rotate_keys(k, kpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
 
     def full():
-        new = tri.rotate_keys(k[:, :, L - lq:], qpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        new = ref.rotate_keys(k[:, :, L - lq:], qpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
         keys = new if lq == L else kr  # decode: the cache already holds the older keys rotated
         return tri.dca_attention_triton(q, keys, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, temp)
 
@@ -176,7 +172,7 @@ def prefill_rows(lengths):
     for L in lengths:
         q, k, v = inputs(L)
         full, kernel = dca_call(q, k, v, L, L)
-        kr = tri.rotate_keys(k, torch.arange(L, device="cuda")[None], CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        kr = ref.rotate_keys(k, torch.arange(L, device="cuda")[None], CHUNK, LOCAL, inv_freq()).to(k.dtype)
         qr = q  # SDPA's speed does not depend on which rotation its inputs carry (RoPE not timed)
         times = {"DCA": measure(full), "DCA kernel": measure(kernel)}
         times.update({f"SDPA {n}": measure(fn) for n, fn in sdpa_calls(qr, kr, v, True).items()})

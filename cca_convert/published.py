@@ -44,7 +44,6 @@ METHOD_FILES = {
         "dca_triton.py": KERNELS_DIR,
     },
 }
-PUBLISHED_FILES = METHOD_FILES["cca"]
 # What the generated file says and imports, per method: (title, shim module, mixin class)
 METHODS = {
     "cca": ("Core Context Aware attention", "cca_hf", "CCAModelMixin",

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dca_reference import check_params, rope_at, rotate_keys, temperature_per_sequence  # noqa: F401 (re-exported)
+from .dca_reference import check_params, rope_at
 
 _LOG2E = 1.4426950408889634
 
@@ -161,7 +161,8 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
                          attention_factor=1.0, splits: int | None = None):
     """DCA attention output (B, H, Lq, d) in ``v``'s dtype.
 
-    q (B, H, Lq, d) pre-RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``rotate_keys``), v (B, Hkv, Lk, d);
+    q (B, H, Lq, d) pre-RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``dca_reference.rotate_keys``);
+    v (B, Hkv, Lk, d);
     qpos (B, Lq) absolute query positions, -1 for pad queries; kstart (B,) the number of leading pad columns of each
     sequence (key position = column - kstart); temp (B,) the temperature T per sequence (1.0: none).
     """
@@ -225,4 +226,4 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     return (weights[..., None] * o_arg).sum(0).to(dtype)
 
 
-__all__ = ["dca_attention_triton", "rotate_keys", "rotated_queries", "temperature_per_sequence"]
+__all__ = ["dca_attention_triton", "rotated_queries"]

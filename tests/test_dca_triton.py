@@ -42,8 +42,8 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
     qpos, qvalid = kpos[:, L - lq:], kvalid[:, L - lq:]
     scale = d ** -0.5
     expect = ref.dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, C, w, inv_freq, scale, c_orig)
-    kr = tri.rotate_keys(k.to(dtype), kpos, C, w, inv_freq)
-    temp = tri.temperature_per_sequence(kstart, L, c_orig)
+    kr = ref.rotate_keys(k.to(dtype), kpos, C, w, inv_freq)
+    temp = ref.temperature_per_sequence(kstart, L, c_orig)
     got = tri.dca_attention_triton(q.to(dtype), kr, v.to(dtype), torch.where(qvalid, qpos, -1), kstart, C, w,
                                    inv_freq, scale, temp, splits=splits).float()
     real = qvalid[:, None, :, None].expand_as(expect)
@@ -100,7 +100,7 @@ def test_reference_matches_naive_with_rotated_keys():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     pos, valid = torch.arange(19)[None], torch.ones(1, 19, dtype=torch.bool)
     naive = ref.dca_attention_naive(q, k, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25)
-    kr = tri.rotate_keys(k, pos, 7, 2, inv_freq)
+    kr = ref.rotate_keys(k, pos, 7, 2, inv_freq)
     got = ref.dca_attention_reference(q, kr, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25, keys_rotated=True)
     assert (got - naive).abs().max() < 1e-5
 
