@@ -15,7 +15,11 @@ issue: after <= before and after <= 1.05 x base at every length.
     python benchmarks/fidelity.py --dca           # the same base with DCA (training-free) from c to 8c
 
 The ``--dca`` row bar (issue #13): DCA's ppl stays within 1.2x of its ppl at c = 2048 up to 8c, while the base's
-(plain RoPE, same weights) grows by more than 3x.
+(plain RoPE, same weights) grows by more than 3x; and passkey retrieval: the base retrieves >= 80% of the keys at c,
+and DCA stays within 0.2 of that accuracy at every length from 2c to 8c. KJV has no digits, so the DCA row's base
+is the same model pretrained with 10% of its windows in the validator's passkey format (random keys and depths,
+never the validator's seeds; ``--passkey-frac`` of the training script): it learns retrieval inside its context,
+and the row measures whether DCA keeps it past that context.
 """
 
 from __future__ import annotations
@@ -36,16 +40,17 @@ FIDELITY_BASE_ARGS = [
     "--long-frac", "0.5", "--batch-tokens", "32768", "--steps", "400", "--lr", "1.5e-3", "--warmup", "30",
     "--log-every", "50",
 ]
+PASSKEY_FRAC = "0.1"  # of the DCA row's base: windows in the validator's passkey format
 LEARNING_RATES = {"lora": 1e-3, "qkv": 2e-4, "full": 1e-4}
 MAX_RATIO = 1.05
 
 
-def ensure_base(base: Path, device: str) -> float:
+def ensure_base(base: Path, device: str, extra: tuple[str, ...] = ()) -> float:
     if (base / "config.json").is_file():
         return 0.0
     start = time.perf_counter()
     cmd = [sys.executable, str(REPO / "examples" / "train_tiny_llama.py"), "--output", str(base), "--device", device,
-           *FIDELITY_BASE_ARGS]
+           *FIDELITY_BASE_ARGS, *extra]
     print("pretraining the base:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     return time.perf_counter() - start
@@ -91,19 +96,33 @@ def dca_row(base: Path, out: Path) -> tuple[str, bool, dict]:
     report = json.loads((out / "validation" / "report.json").read_text())
     c = report["model"]["trained_context"]
     ppl = {m: {int(n): v["ppl"] for n, v in report["results"][m]["perplexity"].items()} for m in ("base", "cca")}
-    lines = ["| length | base ppl | DCA ppl | base / base@c | DCA / DCA@c |", "|---|---|---|---|---|"]
+    pk = {m: {int(n): v for n, v in report["results"][m].get("passkey", {}).items()} for m in ("base", "cca")}
+
+    def keys(m, n):
+        v = pk[m].get(n) or {}
+        return f"{v['correct']}/{v['trials']}" if v.get("trials") else "-"
+
+    lines = ["| length | base ppl | DCA ppl | base / base@c | DCA / DCA@c | base passkey | DCA passkey |",
+             "|---|---|---|---|---|---|---|"]
     for n in report["context_lengths"]:
         lines.append(f"| {n} | {ppl['base'][n]:.3f} | {ppl['cca'][n]:.3f} | {ppl['base'][n] / ppl['base'][c]:.3f} | "
-                     f"{ppl['cca'][n] / ppl['cca'][c]:.3f} |")
+                     f"{ppl['cca'][n] / ppl['cca'][c]:.3f} | {keys('base', n)} | {keys('cca', n)} |")
     longest = max(report["context_lengths"])
-    ok = (all(ppl["cca"][n] <= 1.2 * ppl["cca"][c] for n in ppl["cca"] if n >= c)
-          and ppl["base"][longest] > 3 * ppl["base"][c])
+    ppl_ok = (all(ppl["cca"][n] <= 1.2 * ppl["cca"][c] for n in ppl["cca"] if n >= c)
+              and ppl["base"][longest] > 3 * ppl["base"][c])
+    at_c = (pk["base"].get(c) or {}).get("accuracy")
+    past = [(pk["cca"].get(n) or {}).get("accuracy") for n in report["context_lengths"] if n > c]
+    pk_ok = (at_c is not None and at_c >= 0.8 and bool(past)
+             and all(a is not None and a >= at_c - 0.2 for a in past))
+    lines.append(f"\nperplexity bar (DCA <= 1.2x its ppl at c up to 8c, base > 3x at 8c): {'PASS' if ppl_ok else 'FAIL'}")
+    lines.append(f"passkey bar (base >= 0.8 at c, DCA within 0.2 of it at 2c..8c): {'PASS' if pk_ok else 'FAIL'}")
+    ok = ppl_ok and pk_ok
     speed = report.get("speed", {})
     if speed:
         lines.append("\nprefill (one forward, no cache): " + ", ".join(
             f"{n}: base {v['base']['latency_s'] * 1e3:.1f} ms, DCA {v['cca']['latency_s'] * 1e3:.1f} ms"
             for n, v in speed.items()))
-    return "\n".join(lines), ok, {"ppl": ppl, "trained_context": c, "speed": speed}
+    return "\n".join(lines), ok, {"ppl": ppl, "passkey": pk, "trained_context": c, "speed": speed}
 
 
 def table(rows: list[dict]) -> str:
@@ -122,7 +141,8 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", type=Path, default=REPO / "out" / "fidelity-llama")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="default: out/fidelity-llama (out/fidelity-llama-passkey with --dca)")
     ap.add_argument("--work", type=Path, default=REPO / "out" / "fidelity")
     ap.add_argument("--settings", default="16:256,8:128", help="g:s pairs")
     ap.add_argument("--methods", default="lora,qkv,full")
@@ -143,18 +163,22 @@ def main() -> int:
     import triton
 
     env.update(transformers=transformers.__version__, triton=triton.__version__)
-    pretrain_s = ensure_base(args.base, args.device)
+    if args.base is None:
+        args.base = REPO / "out" / ("fidelity-llama-passkey" if args.dca else "fidelity-llama")
+    pretrain_s = ensure_base(args.base, args.device, ("--passkey-frac", PASSKEY_FRAC) if args.dca else ())
     summary = json.loads((args.base / "training_summary.json").read_text()) if (
         args.base / "training_summary.json").is_file() else {}
     if args.dca:
         text, ok, data = dca_row(args.base, args.work / "dca")
         print(f"\nDCA on held-out KJV books ({env['device']}, torch {env['torch']}, transformers "
-              f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048:\n\n{text}\n\n"
-              f"{'PASS' if ok else 'FAIL'}: DCA <= 1.2x its ppl at c up to 8c, base > 3x at 8c")
+              f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048 with "
+              f"{summary.get('passkey_frac', 0):g} of its windows passkey prompts:\n\n{text}\n\n{'PASS' if ok else 'FAIL'}")
         if args.results:
             args.results.parent.mkdir(parents=True, exist_ok=True)
-            args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca`\n\n{text}\n")
-            args.results.with_suffix(".json").write_text(json.dumps({"env": env, **data}, indent=1))
+            args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca` ({env['device']}, torch "
+                                    f"{env['torch']}, transformers {env['transformers']}, triton {env['triton']}; "
+                                    f"base: {summary})\n\n{text}\n")
+            args.results.with_suffix(".json").write_text(json.dumps({"env": env, "base": summary, **data}, indent=1))
         return 0 if ok else 1
     rows = []
     for setting in args.settings.split(","):

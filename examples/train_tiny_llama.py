@@ -85,6 +85,10 @@ def parse_args():
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
     p.add_argument("--max-position-embeddings", type=int, default=2048)
     p.add_argument("--device", default="cpu", help="cpu, cuda, ... (bf16 autocast on either)")
+    p.add_argument("--passkey-frac", type=float, default=0.0,
+                   help="fraction of each batch's windows replaced by passkey prompts in the format of cca-convert's "
+                        "validator (random keys and depths), so that the model learns retrieval within its context "
+                        "(the DCA row of benchmarks/fidelity.py measures it past that context)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-only", action="store_true", help="only evaluate the checkpoint in --output")
     return p.parse_args()
@@ -176,7 +180,19 @@ def lr_at(step, args):
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(args, model, train_ids):
+def passkey_windows(tokenizer, count, seq, step, seed):
+    """``count`` passkey prompts of exactly ``seq`` tokens (validator format, digits keys at random depths); the
+    keys come from this step's own seed, never the validator's."""
+    from cca_convert.validate.passkey import make_trials
+
+    rng = random.Random(f"passkey-train-{seed}-{step}")
+    trials = [make_trials(tokenizer, seq, [rng.random()], 1, 5, f"train-{seed}-{step}-{i}") for i in range(count)]
+    if not all(trials):
+        raise SystemExit(f"--passkey-frac: a passkey prompt does not fit in {seq} tokens; raise --short-len")
+    return torch.stack([t[0].input_ids for t in trials])
+
+
+def train(args, model, train_ids, tokenizer=None):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
@@ -194,7 +210,11 @@ def train(args, model, train_ids):
         seq = args.seq_len if step >= long_start else args.short_len
         bsz = max(1, args.batch_tokens // seq)
         starts = torch.randint(0, n - seq - 1, (bsz,), generator=gen)
-        batch = torch.stack([train_ids[s:s + seq] for s in starts.tolist()]).to(args.device)
+        batch = torch.stack([train_ids[s:s + seq] for s in starts.tolist()])
+        n_passkey = round(args.passkey_frac * bsz)
+        if n_passkey:
+            batch[:n_passkey] = passkey_windows(tokenizer, n_passkey, seq, step, args.seed)
+        batch = batch.to(args.device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.autocast_bf16):
@@ -288,13 +308,13 @@ def main():
         model = build_model(args, tokenizer).to(args.device)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params:,} parameters", flush=True)
-        train_s, tokens_seen = train(args, model, train_ids)
+        train_s, tokens_seen = train(args, model, train_ids, tokenizer)
         save_checkpoint(model, out_dir, args.save_dtype)
         summary.update(train_seconds=round(train_s, 1), train_tokens_seen=tokens_seen, device=args.device,
                        steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                        short_len=args.short_len, seq_len=args.seq_len, long_frac=args.long_frac,
                        autocast_bf16=args.autocast_bf16, save_dtype=args.save_dtype,
-                       threads=args.threads, seed=args.seed)
+                       threads=args.threads, seed=args.seed, passkey_frac=args.passkey_frac)
 
     # Evaluate exactly what was saved (reloaded from disk, float32 compute).
     model = AutoModelForCausalLM.from_pretrained(out_dir).to(args.device)

@@ -6,14 +6,17 @@ position ranges, ``inter [0, (n-1)s)``, ``succ [(n-1)s, ns)`` and ``intra [ns, i
 is read with its own rotation of the query (at ``min(2s-1, C)``, ``min(o+s, C)``, ``o``). So a program walks the key
 tiles of each range with that range's query tile: no per-element choice between three dot products, no three-call
 LSE merge. A key tile straddling a chunk boundary is visited by both ranges with complementary masks (one extra dot
-per boundary). Keys come rotated once at ``j % s`` (the cache layout); queries are rotated, scaled by
-``scale * T * log2(e)`` and stacked by a small PyTorch pre-pass.
+per boundary). Keys come rotated once at ``j % s`` (the cache layout). Queries arrive before RoPE and are rotated in
+the prologue from a cos/sin table of the positions ``0..C`` (every query position DCA uses lies there), then scaled by
+``scale * T * log2(e)``: no (3, B, H, L, d) pre-rotated copy in memory, no extra launches. Row tiles run heaviest
+first (the causal tail is the short tiles).
 
 GQA-native: a program owns one KV head and stacks ``HP`` of its query heads as rows of one tile (all ``r`` of them
 for decode), so a key/value tile is loaded once for all of them; no ``repeat_kv``.
 Left padding: keys of sequence ``b`` sit at columns ``kstart[b]..`` (pads first, as transformers lays them out);
-key position = column - kstart[b]. Decode splits the key columns over more programs (flash-decoding) and merges the
-splits by their log-sum-exps. Forward only: a DCA model is used training-free (the PyTorch twin is differentiable).
+key position = column - kstart[b]. Decode splits the key columns over more programs (flash-decoding); a second small
+kernel merges the splits by their log-sum-exps. Forward only: a DCA model is used training-free (the PyTorch twin
+is differentiable).
 """
 
 import functools
@@ -22,23 +25,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .dca_reference import check_params, rope_at
+from .dca_reference import check_params
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d, dmask,
-          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
     """One key tile into the running softmax. Interior tiles (every row sees every column) skip the masks."""
     cols = n0 + tl.arange(0, BLOCK_N)
+    k_ptr = k_base + cols[:, None] * stride_kn + d[None, :]
+    v_ptr = v_base + cols[:, None] * stride_vn + d[None, :]
     if MASKED:
         cmask = cols < Lk
-        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+        k = tl.load(k_ptr, mask=cmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_ptr, mask=cmask[:, None] & dmask[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptr)
+        v = tl.load(v_ptr)
     else:
-        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=dmask[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=dmask[None, :], other=0.0)
+        k = tl.load(k_ptr, mask=dmask[None, :], other=0.0)
+        v = tl.load(v_ptr, mask=dmask[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
         inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
@@ -56,16 +64,17 @@ def _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn
 
 
 @triton.jit
-def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
-             stride_qp, stride_qb, stride_qh, stride_qm,
+def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale,
+             stride_qb, stride_qh, stride_qm,
              stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn,
              stride_os, stride_ob, stride_oh, stride_om,
              stride_ls, stride_lb, stride_lh,
-             Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, SPLIT_COLS,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
-    pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+             Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, CHUNK, SPLIT_COLS,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
+    pid_bh, pid_s = tl.program_id(0), tl.program_id(2)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest row tiles first: the tail of the grid is short
     chunk = pid_bh % N_CHUNKS
     g = (pid_bh // N_CHUNKS) % Hkv
     b = pid_bh // (N_CHUNKS * Hkv)
@@ -87,9 +96,20 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     b64 = b.to(tl.int64)
-    q_base = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + t[:, None] * stride_qm + d[None, :]
     k_base = K + b64 * stride_kb + g.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + g.to(tl.int64) * stride_vh
+    # the query before RoPE and its NeoX partner (rotate_half: -x[d + r/2] below r/2, x[d - r/2] above), fp32
+    rot = d < 2 * ROT_HALF
+    partner = tl.where(d < ROT_HALF, d + ROT_HALF, d - ROT_HALF)
+    q_row = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + t[:, None] * stride_qm
+    x = tl.load(q_row + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    xp = tl.load(q_row + partner[None, :], mask=ok[:, None] & rot[None, :], other=0.0).to(tl.float32)
+    xp = tl.where((d < ROT_HALF)[None, :], -xp, xp)
+    freq = tl.where(rot, d % ROT_HALF, 0)
+    mult = qk_scale
+    if TEMP is not None:
+        mult = mult * tl.load(TEMP + b)
+    o_i = pos % S_LEN
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -97,17 +117,24 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
     for part in tl.static_range(3):  # 0 inter, 1 succ, 2 intra
         if part == 0:
             lo, hi = tl.zeros_like(pos), succ_lo
+            qrope = tl.zeros_like(pos) + tl.minimum(2 * S_LEN - 1, CHUNK)
         elif part == 1:
             lo, hi = succ_lo, intra_lo
+            qrope = tl.minimum(o_i + S_LEN, CHUNK)
         else:
             lo, hi = intra_lo, pos + 1
+            qrope = o_i
         lo = tl.maximum(lo + kstart, col_lo)
         hi = tl.where(ok, tl.minimum(hi + kstart, col_hi), 0)
         live = hi > lo
         start = (tl.min(tl.where(live, lo, Lk), 0) // BLOCK_N) * BLOCK_N
         end = tl.max(tl.where(live, hi, 0), 0)
         if end > start:
-            q = tl.load(q_base + part * stride_qp, mask=ok[:, None] & dmask[None, :], other=0.0)
+            # this part's rotation of the query: table rows [cos | sin] at its RoPE position (0..C)
+            tab = ROPE + qrope[:, None] * (2 * ROT_HALF) + freq[None, :]
+            cos = tl.load(tab, mask=rot[None, :], other=1.0)
+            sin = tl.load(tab + ROT_HALF, mask=rot[None, :], other=0.0)
+            q = ((x * cos + xp * sin) * mult).to(K.dtype.element_ty)
             # tiles every live row sees whole: [inner_lo, inner_hi) without masks; the edges with them
             inner_lo = tl.minimum(((tl.max(tl.where(live, lo, 0), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, end)
             inner_hi = tl.maximum((tl.min(tl.where(live, hi, Lk), 0) // BLOCK_N) * BLOCK_N, inner_lo)
@@ -116,13 +143,13 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
                 inner_hi = end
             for n0 in range(start, inner_lo, BLOCK_N):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, True, PREC)
+                                      dmask, BLOCK_N, True, HEAD_DIM == BLOCK_D, PREC)
             for n0 in range(inner_lo, inner_hi, BLOCK_N):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, False, PREC)
+                                      dmask, BLOCK_N, False, HEAD_DIM == BLOCK_D, PREC)
             for n0 in range(inner_hi, end, BLOCK_N):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, True, PREC)
+                                      dmask, BLOCK_N, True, HEAD_DIM == BLOCK_D, PREC)
     has = (l_i > 0) & ok  # pad rows may have run interior tiles (with q = 0): their output is defined as 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     o_ptr = O + pid_s * stride_os + b64 * stride_ob + head.to(tl.int64)[:, None] * stride_oh + t[:, None] * stride_om
@@ -133,23 +160,39 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART,
         tl.store(LSE + pid_s * stride_ls + b64 * stride_lb + head * stride_lh + t, lse, mask=wmask)
 
 
+@triton.jit
+def _merge_splits(PARTS, LSE, O, n_splits, H, Lq,
+                  stride_ps, stride_pb, stride_ph, stride_pm, stride_ls, stride_lb, stride_lh,
+                  stride_ob, stride_oh, stride_om,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One output row from the splits' normalised partial outputs, weighted by their log2-sum-exps (-inf: empty)."""
+    row = tl.program_id(0)
+    t = row % Lq
+    h = (row // Lq) % H
+    b = row // (Lq * H)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE + sp * stride_ls + b * stride_lb + h * stride_lh + t, mask=sp < n_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    parts = tl.load(PARTS + sp[:, None] * stride_ps + b * stride_pb + h * stride_ph + t * stride_pm + d[None, :],
+                    mask=(sp < n_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + t * stride_om + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); interpreter: small tiles so that tests cross many tile borders.
 # prefill: the fastest of benchmarks/dca.py --sweep on an H200 at 32K (31.2 ms; 64-key tiles 31.6, 64-row 32.4).
 _CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
 _MIN_ROWS_PER_HEAD = 128  # prefill: one query head per tile (stacking two 64-row heads measured no faster)
 
 
-def rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, attention_factor=1.0):
-    """(3, B, H, Lq, d) in the keys' dtype: ``q`` rotated at the inter, succ and intra positions, times
-    ``scale * T_b * log2(e)`` (the kernel works in base 2)."""
-    s = chunk_size - local_size
-    o = qpos.clamp_min(0) % s
-    pos = torch.stack([torch.full_like(o, min(2 * s - 1, chunk_size)), torch.clamp(o + s, max=chunk_size), o])
-    mult = (scale * _LOG2E) * temp.to(torch.float32)[:, None, None, None]
-    bsz, heads, q_len, head_dim = q.shape
-    rotated = rope_at(q.float().expand(3, bsz, heads, q_len, head_dim), pos[:, :, None].expand(-1, -1, heads, -1),
-                      inv_freq, attention_factor)
-    return rotated.mul_(mult)
+def rope_table(inv_freq, chunk_size, attention_factor=1.0):
+    """(C + 1, rotary_dim) fp32: rows ``[cos | sin]`` (each ``rotary_dim / 2`` wide, times ``attention_factor``) at
+    the positions ``0..C``, the only ones DCA rotates a query to; computed as ``dca_reference.rope_at`` does."""
+    ang = torch.arange(chunk_size + 1, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()
+    return torch.cat([ang.cos(), ang.sin()], -1).mul_(attention_factor).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,14 +200,15 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp,
-                         attention_factor=1.0, splits: int | None = None):
+def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp=None,
+                         attention_factor=1.0, splits: int | None = None, table=None):
     """DCA attention output (B, H, Lq, d) in ``v``'s dtype.
 
-    q (B, H, Lq, d) pre-RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``dca_reference.rotate_keys``);
+    q (B, H, Lq, d) before RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``dca_reference.rotate_keys``);
     v (B, Hkv, Lk, d);
     qpos (B, Lq) absolute query positions, -1 for pad queries; kstart (B,) the number of leading pad columns of each
-    sequence (key position = column - kstart); temp (B,) the temperature T per sequence (1.0: none).
+    sequence (key position = column - kstart); temp (B,) the temperature T per sequence (None: 1);
+    table: ``rope_table(inv_freq, chunk_size, attention_factor)``, which a caller running many layers computes once.
     """
     check_params(chunk_size, local_size)
     bsz, n_heads, q_len, head_dim = q.shape
@@ -174,7 +218,12 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
                          f"{k_rot.dtype}, v {tuple(v.shape)} {v.dtype}")
     rep = n_heads // n_kv
     dtype = v.dtype
-    qr = rotated_queries(q, qpos, chunk_size, local_size, inv_freq, scale, temp, attention_factor).to(dtype)
+    if table is None:
+        table = rope_table(inv_freq, chunk_size, attention_factor)
+    if table.shape != (chunk_size + 1, 2 * inv_freq.shape[0]) or table.dtype != torch.float32:
+        raise ValueError(f"dca_attention_triton: the RoPE table must be rope_table(inv_freq, {chunk_size}, ...), "
+                         f"got {tuple(table.shape)} {table.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     k_rot = k_rot if k_rot.stride(-1) == 1 else k_rot.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     if q.device.type != "cuda":
@@ -198,32 +247,32 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
     splits = triton.cdiv(k_len, split_cols) if k_len else 1
     qpos32, kstart32 = qpos.to(torch.int32).contiguous(), kstart.to(torch.int32).contiguous()
+    temp = None if temp is None else temp.to(device=q.device, dtype=torch.float32).contiguous()
+    out = torch.empty(bsz, q_len, n_heads, head_dim, device=q.device, dtype=dtype).transpose(1, 2)
     if splits == 1:
-        out = torch.empty(bsz, q_len, n_heads, head_dim, device=q.device, dtype=dtype).transpose(1, 2)
         o_arg, lse = out.unsqueeze(0), None
         lse_strides = (0, 0, 0)
     else:
         o_arg = torch.empty(splits, bsz, n_heads, q_len, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(splits, bsz, n_heads, q_len, device=q.device, dtype=torch.float32)
         lse_strides = lse.stride()[:3]
-    grid = (m_tiles, bsz * n_kv * n_chunks, splits)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    grid = (bsz * n_kv * n_chunks, m_tiles, splits)
     _dca_fwd[grid](
-        qr, k_rot, v, o_arg, lse, qpos32, kstart32,
-        qr.stride(0), qr.stride(1), qr.stride(2), qr.stride(3),
+        q, k_rot, v, o_arg, lse, qpos32, kstart32, table, temp, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
         *k_rot.stride()[:3], *v.stride()[:3],
         *o_arg.stride()[:4], *lse_strides,
-        n_kv, q_len, k_len, rep, n_chunks, chunk_size - local_size, split_cols,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        n_kv, q_len, k_len, rep, n_chunks, chunk_size - local_size, chunk_size, split_cols,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=inv_freq.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
         HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
-    if splits == 1:
-        return out
-    # merge the splits: each holds a normalised partial output and its log2-sum-exp (-inf when it saw no key)
-    top = lse.amax(0)
-    weights = torch.exp2(lse - torch.where(torch.isfinite(top), top, 0.0))
-    weights = weights / weights.sum(0).clamp_min(1e-30)
-    return (weights[..., None] * o_arg).sum(0).to(dtype)
+    if splits > 1:
+        _merge_splits[(bsz * n_heads * q_len,)](
+            o_arg, lse, out, splits, n_heads, q_len, *o_arg.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out
 
 
-__all__ = ["dca_attention_triton", "rotated_queries"]
+__all__ = ["dca_attention_triton", "rope_table"]

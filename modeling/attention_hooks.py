@@ -89,9 +89,16 @@ def dispatching(method: str):
     return attention_forward
 
 
-def unrope(module, x, cos, sin):
-    """The exact inverse of the family's own RoPE (rotation by -theta; YaRN-style scaling divided out), in fp32."""
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+def inverse_rope(cos, sin):
+    """The tables that undo a RoPE of tables ``(cos, sin)``: rotation by -theta, YaRN-style scaling divided out; fp32.
+    Every layer of a forward shares them: a caller running many layers may compute them once."""
     s2 = cos[..., :1].float() ** 2 + sin[..., :1].float() ** 2
-    xf = x.float()
-    return rope(xf, xf, cos.float() / s2, -sin.float() / s2)[0]
+    return cos.float() / s2, -sin.float() / s2
+
+
+def unrope(module, q, k, cos, sin, inverse=None):
+    """``q`` and ``k`` before the family's own RoPE (its ``apply_rotary_pos_emb``, one call for both), in fp32;
+    ``inverse``: ``inverse_rope(cos, sin)`` when the caller has it."""
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    icos, isin = inverse or inverse_rope(cos, sin)
+    return rope(q.float(), k.float(), icos, isin)

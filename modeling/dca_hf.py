@@ -17,13 +17,13 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, unrope
+from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
 from .dca_reference import check_params, dca_attention_blocked, rotate_keys, temperature_per_sequence
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
-    from .dca_triton import dca_attention_triton
+    from .dca_triton import dca_attention_triton, rope_table
 except ImportError:  # pragma: no cover
-    dca_attention_triton = None
+    dca_attention_triton = rope_table = None
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
 BACKENDS = ("auto", "triton", "reference")
@@ -114,6 +114,7 @@ class DCACache(Cache):
     def __init__(self, config):
         super().__init__(layers=[DCALayerCache() for _ in range(config.num_hidden_layers)])
         self.leading_pads_only = None  # of the whole mask (cache + new tokens), set per step by the model
+        self.step = {}  # what the layers of one pass share, set by layer 0; "at": (cache length before, pass length)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states  # the dca attention function stores what it needs itself
@@ -126,41 +127,63 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                          "dropout are not supported; load the model with attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("DCA takes only a 2-D padding mask; load with attn_implementation='sdpa' for custom masks")
-    # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
-    query, key = query.to(value.dtype), key.to(value.dtype)
     (cos, sin), cache, _ = module._method_ctx
     chunk, local, c_orig = dca_settings(module.config)
     rotary = module._dca_rotary
     bsz, q_len = query.shape[0], query.shape[2]
-    q, k = unrope(module, query, cos, sin), unrope(module, key, cos, sin)  # whatever positions RoPE used
-    qvalid = (attention_mask[:, -q_len:].bool() if attention_mask is not None
-              else torch.ones(bsz, q_len, dtype=torch.bool, device=q.device))
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
-    # DCA positions are absolute and per sequence: each row counts its own real tokens (a left-padded row starts
-    # at 0, as the spec requires), whatever position_ids the caller passed
-    seen = layer.tensors()[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
-    qpos = (seen + qvalid.long().cumsum(1) - 1).clamp_min(0)
+    # what every layer of this pass shares (positions, the inverse RoPE, the kernel's layout): computed by the first
+    # attention layer of the pass, reused by the others (fewer launches per decode step)
+    at = (layer.length, q_len) if layer is not None else None
+    step = cache.step if at is not None and module.layer_idx and cache.step.get("at") == at else {"at": at}
+    if "qpos" not in step:
+        qvalid = (attention_mask[:, -q_len:].bool() if attention_mask is not None
+                  else torch.ones(bsz, q_len, dtype=torch.bool, device=query.device))
+        # DCA positions are absolute and per sequence: each row counts its own real tokens (a left-padded row starts
+        # at 0, as the spec requires), whatever position_ids the caller passed
+        seen = layer.tensors()[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
+        qpos = (seen + qvalid.long().cumsum(1) - 1).clamp_min(0)
+        step.update(qvalid=qvalid, qpos=qpos, inverse=inverse_rope(cos, sin))
+    qvalid, qpos = step["qvalid"], step["qpos"]
+    # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
+    q, k = unrope(module, query, key, cos, sin, step["inverse"])  # whatever positions RoPE used
     k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
+        cache.step = step
         k_rot, v, kpos, kvalid = layer.append(k_rot, value, qpos, qvalid)
     else:
         v, kpos, kvalid = value, qpos, qvalid
     out = None
-    if _use_kernel(module.config, q):
-        kstart = (~kvalid).sum(1)
-        # the kernel reads each sequence's keys as one run after its leading pads; a decode step asks the cache,
-        # which DCAModelMixin.forward filled once per step (one host sync per step, not one per layer)
-        layout = cache.leading_pads_only if isinstance(cache, DCACache) else None
-        if layout is None:
-            layout = _leading_pads_only(kvalid)
-        if layout:
-            temp = temperature_per_sequence(kstart, kvalid.shape[1], c_orig)
-            out = dca_attention_triton(q.to(value.dtype), k_rot, v, torch.where(qvalid, qpos, -1), kstart, chunk,
-                                       local, rotary.inv_freq, scaling, temp, rotary.attention_scaling)
+    if _use_kernel(module.config, query):
+        if "kstart" not in step:
+            # the kernel reads each sequence's keys as one run after its leading pads; DCAModelMixin.forward checked
+            # the layout once for the pass (one host sync per step, not per layer)
+            layout = cache.leading_pads_only if isinstance(cache, DCACache) else None
+            kstart = (~kvalid).sum(1)
+            step.update(kstart=kstart, layout=_leading_pads_only(kvalid) if layout is None else layout,
+                        temp=temperature_per_sequence(kstart, kvalid.shape[1], c_orig) if c_orig else None,
+                        kernel_qpos=torch.where(qvalid, qpos, -1))
+        if step["layout"]:
+            out = dca_attention_triton(q.to(value.dtype), k_rot, v, step["kernel_qpos"], step["kstart"], chunk,
+                                       local, rotary.inv_freq, scaling, step["temp"], rotary.attention_scaling,
+                                       table=_query_table(rotary, chunk))
     if out is None:  # the PyTorch twin: on CPU, under autograd, or pads that are not all leading
-        out = dca_attention_blocked(q, k_rot, v, qpos, kpos, kvalid, qvalid, chunk, local, rotary.inv_freq, scaling,
-                                    c_orig, rotary.attention_scaling, keys_rotated=True, block=QUERY_BLOCK)
+        out = dca_attention_blocked(q.to(value.dtype), k_rot, v, qpos, kpos, kvalid, qvalid, chunk, local,
+                                    rotary.inv_freq, scaling, c_orig, rotary.attention_scaling, keys_rotated=True,
+                                    block=QUERY_BLOCK)
     return out.to(value.dtype).transpose(1, 2), None
+
+
+def _query_table(rotary, chunk):
+    """The kernel's cos/sin table, once per model (not per layer and step): kept on the rotary module, keyed by
+    what would make it stale (its inv_freq moved or rewritten in place, another chunk size)."""
+    inv = rotary.inv_freq
+    key = (inv.data_ptr(), inv._version, inv.device, chunk, rotary.attention_scaling)
+    held = getattr(rotary, "_dca_table", None)
+    if held is None or held[0] != key:
+        held = (key, rope_table(inv, chunk, rotary.attention_scaling))
+        object.__setattr__(rotary, "_dca_table", held)  # a plain attribute: not a buffer, never saved
+    return held[1]
 
 
 def _leading_pads_only(valid) -> bool:

@@ -29,7 +29,8 @@ ref = _load("dca_reference")
 tri = _load("dca_triton")
 
 
-def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None):
+def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None,
+         af=1.0):
     """Kernel vs reference over the last ``lq`` queries of left-padded sequences of tensor length ``L``."""
     gen = torch.Generator().manual_seed(seed)
     lq = lq or L
@@ -41,11 +42,11 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
     kvalid, kpos = kpos >= 0, kpos.clamp_min(0)
     qpos, qvalid = kpos[:, L - lq:], kvalid[:, L - lq:]
     scale = d ** -0.5
-    expect = ref.dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, C, w, inv_freq, scale, c_orig)
-    kr = ref.rotate_keys(k.to(dtype), kpos, C, w, inv_freq)
-    temp = ref.temperature_per_sequence(kstart, L, c_orig)
+    expect = ref.dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, C, w, inv_freq, scale, c_orig, af)
+    kr = ref.rotate_keys(k.to(dtype), kpos, C, w, inv_freq, af)
+    temp = ref.temperature_per_sequence(kstart, L, c_orig) if c_orig else None  # None: the kernel's T = 1 path
     got = tri.dca_attention_triton(q.to(dtype), kr, v.to(dtype), torch.where(qvalid, qpos, -1), kstart, C, w,
-                                   inv_freq, scale, temp, splits=splits).float()
+                                   inv_freq, scale, temp, af, splits=splits).float()
     real = qvalid[:, None, :, None].expand_as(expect)
     err = (got - expect)[real].abs().max().item()
     assert torch.isfinite(got).all(), "pad rows must be finite"
@@ -54,7 +55,7 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
         assert err < 2e-5, err
     else:
         rounded = ref.dca_attention_reference(*(x.to(dtype).float() for x in (q, k, v)), qpos, kpos, kvalid,
-                                              qvalid, C, w, inv_freq, scale, c_orig)
+                                              qvalid, C, w, inv_freq, scale, c_orig, af)
         bound = 2 * (rounded.to(dtype).float() - expect)[real].abs().max().item() + 1e-2
         assert err <= bound, (err, bound)
 
@@ -90,6 +91,23 @@ def test_cached_passes(lq, splits):
 
 def test_partial_rotary():
     case(1, 4, 2, 30, 64, 10, 2, rotary=32)
+
+
+def test_partial_rotary_attention_factor_temperature_and_splits():
+    """The prologue's rotation: only the first ``rotary`` channels turn (times the attention factor, as YaRN's
+    and LongRoPE's RoPE scale them); the rest pass through, all scaled by T; decode splits merged."""
+    case(2, 6, 2, 47, 80, 13, 3, pads=[5, 0], rotary=48, af=1.3, c_orig=9, lq=3, splits=3)
+
+
+def test_rope_table_is_the_twins_rotation():
+    """The kernel's table rows are the twin's cos/sin (rope_at) at positions 0..C."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    table = tri.rope_table(inv_freq, 11, 1.25)
+    x = torch.randn(12, 16)
+    half = x[:, 8:], x[:, :8]
+    cos, sin = table[:, :8].repeat(1, 2), table[:, 8:].repeat(1, 2)
+    want = ref.rope_at(x, torch.arange(12), inv_freq, 1.25)
+    assert torch.equal(x * cos + torch.cat([-half[0], half[1]], -1) * sin, want)
 
 
 def test_reference_matches_naive_with_rotated_keys():
