@@ -8,9 +8,9 @@ default for an 8K-trained Llama 3 (c = 8192: chunk_size C = 6144, local_size w =
 Conventions
 - Median of triton.testing.do_bench, one forward call. DCA has the same FLOPs as causal attention (every query sees
   every earlier key); useful TFLOP/s = L(L+1)/2 entries x 4d x heads / time for every method.
-- "DCA" = what the model runs per layer: rotate the pass's keys once at j % s, then the fused kernel (it rotates
-  the queries itself from the model's cos/sin table of positions 0..C). "DCA kernel" = the kernel alone on keys
-  already rotated (a cache's).
+- "DCA" = what the model runs per layer: rotate the pass's keys once at j % s (a small Triton kernel), then the
+  fused kernel, which rotates the queries itself; both read the model's cos/sin table of positions 0..C.
+  "DCA kernel" = the fused kernel alone on keys already rotated (a cache's).
 - SDPA (cuDNN, flash) runs on already-rotated q/k (RoPE not timed), ``enable_gqa=True`` (no repeat_kv copy),
   ``is_causal`` (prefill) or one query over the whole cache (decode). The ratio is against the faster of the two.
 - "3-call merge" = ChunkLlama / vLLM's formulation in PyTorch: per chunk one causal flash call (intra) and two
@@ -79,7 +79,7 @@ def dca_call(q, k, v, L, lq):
     table = tri.rope_table(inv_freq(), CHUNK)  # the model computes it once, not per layer
 
     def full():
-        new = ref.rotate_keys(k[:, :, L - lq:], qpos, CHUNK, LOCAL, inv_freq()).to(k.dtype)
+        new = tri.rotate_keys_triton(k[:, :, L - lq:], qpos, CHUNK, LOCAL, table)
         keys = new if lq == L else kr  # decode: the cache already holds the older keys rotated
         return tri.dca_attention_triton(q, keys, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
 

@@ -182,6 +182,30 @@ def _merge_splits(PARTS, LSE, O, n_splits, H, Lq,
     tl.store(O + b * stride_ob + h * stride_oh + t * stride_om + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _rotate_keys(K, OUT, KPOS, ROPE, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, Hkv, Lk,
+                 S_LEN, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys rotated at ``j % s`` (``dca_reference.rotate_keys``) from the same cos/sin table as the queries."""
+    pid_bh, pid_n = tl.program_id(0), tl.program_id(1)
+    b, g = pid_bh // Hkv, pid_bh % Hkv
+    n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, BLOCK_D)
+    rows = n < Lk
+    rot = d < 2 * ROT_HALF
+    partner = tl.where(d < ROT_HALF, d + ROT_HALF, d - ROT_HALF)
+    k_row = K + b.to(tl.int64) * stride_kb + g * stride_kh + n.to(tl.int64)[:, None] * stride_kn
+    x = tl.load(k_row + d[None, :], mask=rows[:, None] & (d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    xp = tl.load(k_row + partner[None, :], mask=rows[:, None] & rot[None, :], other=0.0).to(tl.float32)
+    xp = tl.where((d < ROT_HALF)[None, :], -xp, xp)
+    pos = tl.maximum(tl.load(KPOS + b * Lk + n, mask=rows, other=0), 0) % S_LEN
+    tab = ROPE + pos[:, None] * (2 * ROT_HALF) + tl.where(rot, d % ROT_HALF, 0)[None, :]
+    cos = tl.load(tab, mask=rows[:, None] & rot[None, :], other=1.0)
+    sin = tl.load(tab + ROT_HALF, mask=rows[:, None] & rot[None, :], other=0.0)
+    o_row = OUT + b.to(tl.int64) * stride_ob + g * stride_oh + n.to(tl.int64)[:, None] * stride_on
+    tl.store(o_row + d[None, :], (x * cos + xp * sin).to(OUT.dtype.element_ty),
+             mask=rows[:, None] & (d < HEAD_DIM)[None, :])
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); interpreter: small tiles so that tests cross many tile borders.
 # prefill: the fastest of benchmarks/dca.py --sweep on an H200 at 32K (31.2 ms; 64-key tiles 31.6, 64-row 32.4).
 _CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
@@ -193,6 +217,20 @@ def rope_table(inv_freq, chunk_size, attention_factor=1.0):
     the positions ``0..C``, the only ones DCA rotates a query to; computed as ``dca_reference.rope_at`` does."""
     ang = torch.arange(chunk_size + 1, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()
     return torch.cat([ang.cos(), ang.sin()], -1).mul_(attention_factor).contiguous()
+
+
+def rotate_keys_triton(k, kpos, chunk_size, local_size, table, dtype=None):
+    """``dca_reference.rotate_keys`` in one launch: ``k`` (B, Hkv, Lk, d) rotated at ``kpos % s`` (pads: any
+    position), returned in ``dtype`` (default ``k``'s); ``table`` = ``rope_table(inv_freq, chunk_size, ...)``."""
+    bsz, n_kv, k_len, head_dim = k.shape
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    out = torch.empty(k.shape, device=k.device, dtype=dtype or k.dtype)
+    block = 16 if k.device.type != "cuda" else 64
+    _rotate_keys[(bsz * n_kv, triton.cdiv(k_len, block))](
+        k, out, kpos.to(torch.int32).contiguous(), table, *k.stride()[:3], *out.stride()[:3], n_kv, k_len,
+        chunk_size - local_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        ROT_HALF=table.shape[1] // 2, BLOCK=block, num_warps=4)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,4 +313,4 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     return out
 
 
-__all__ = ["dca_attention_triton", "rope_table"]
+__all__ = ["dca_attention_triton", "rope_table", "rotate_keys_triton"]

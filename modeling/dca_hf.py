@@ -21,9 +21,9 @@ from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispa
 from .dca_reference import check_params, dca_attention_blocked, rotate_keys, temperature_per_sequence
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
-    from .dca_triton import dca_attention_triton, rope_table
+    from .dca_triton import dca_attention_triton, rope_table, rotate_keys_triton
 except ImportError:  # pragma: no cover
-    dca_attention_triton = rope_table = None
+    dca_attention_triton = rope_table = rotate_keys_triton = None
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
 BACKENDS = ("auto", "triton", "reference")
@@ -147,14 +147,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     qvalid, qpos = step["qvalid"], step["qpos"]
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
     q, k = unrope(module, query, key, cos, sin, step["inverse"])  # whatever positions RoPE used
-    k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
+    kernel = _use_kernel(module.config, query)
+    if kernel:
+        k_rot = rotate_keys_triton(k, qpos, chunk, local, _query_table(rotary, chunk), value.dtype)
+    else:
+        k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
         cache.step = step
         k_rot, v, kpos, kvalid = layer.append(k_rot, value, qpos, qvalid)
     else:
         v, kpos, kvalid = value, qpos, qvalid
     out = None
-    if _use_kernel(module.config, query):
+    if kernel:
         if "kstart" not in step:
             # the kernel reads each sequence's keys as one run after its leading pads; DCAModelMixin.forward checked
             # the layout once for the pass (one host sync per step, not per layer)
@@ -175,7 +179,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _query_table(rotary, chunk):
-    """The kernel's cos/sin table, once per model (not per layer and step): kept on the rotary module, keyed by
+    """The kernels' cos/sin table (queries and keys), once per model (not per layer and step): kept on the rotary module, keyed by
     what would make it stale (its inv_freq moved or rewritten in place, another chunk size)."""
     inv = rotary.inv_freq
     key = (inv.data_ptr(), inv._version, inv.device, chunk, rotary.attention_scaling)

@@ -99,6 +99,21 @@ def test_partial_rotary_attention_factor_temperature_and_splits():
     case(2, 6, 2, 47, 80, 13, 3, pads=[5, 0], rotary=48, af=1.3, c_orig=9, lq=3, splits=3)
 
 
+@pytest.mark.parametrize("d,rotary,pads", [(64, None, [0]), (80, 48, [0, 7]), (128, 64, [3])])
+def test_rotate_keys_matches_twin(d, rotary, pads):
+    """The cache's key rotation kernel (positions j % s, pads at any position, partial rotary, a factor) == twin."""
+    gen = torch.Generator().manual_seed(d)
+    B, L = len(pads), 41
+    k = torch.randn(B, 3, L, d, generator=gen).to(DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary or d, 2, dtype=torch.float32) / (rotary or d)))).to(DEVICE)
+    kpos = torch.arange(L, device=DEVICE)[None] - torch.tensor(pads, device=DEVICE)[:, None]  # pads: negative
+    want = ref.rotate_keys(k, kpos, 13, 4, inv_freq, 1.2)
+    got = tri.rotate_keys_triton(k, kpos, 13, 4, tri.rope_table(inv_freq, 13, 1.2))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert tri.rotate_keys_triton(k, kpos, 13, 4, tri.rope_table(inv_freq, 13, 1.2), torch.bfloat16).dtype == \
+        torch.bfloat16
+
+
 def test_rope_table_is_the_twins_rotation():
     """The kernel's table rows are the twin's cos/sin (rope_at) at positions 0..C."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
