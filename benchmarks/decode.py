@@ -1,256 +1,232 @@
-"""Decode latency and memory: CCA compressed cache vs full attention (SDPA + DynamicCache, backend ``full``).
+"""Decode in real ``generate()``: the exported CCA model vs stock transformers' full attention, same weights.
 
-Llama-3.1-8B-shaped model (32 layers, hidden 4096, 32 q / 8 kv heads, hd 128, MLP 14336, vocab 128256),
-random weights, bf16, one GPU. Contexts 8K/32K/128K.
+What users run: a prompt of L random tokens per row, a real prefill, then ``model.generate()`` with its defaults.
+The time of each generated token is read inside that one ``generate()`` call (a logits processor stamps every step
+after a device sync; generate syncs every step anyway), and ms/token is the median step after the first few (which
+include kernel compilation and, for the compiled baseline, CUDA-graph capture).
 
-Cache state: NOT prefilled. Both caches are constructed directly with random tensors of the shapes a
-prefill of ``L`` tokens leaves (full: K/V of L positions per layer in a DynamicCache; CCA: L/g core
-tokens, an s+g-1 slot ring, the g-slot pre-RoPE ring, counts = L), so every decode step does exactly the
-memory traffic and work of a step at context L. (Prefill correctness is covered by tests/test_cache_decode.py.)
+Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``: a tiny one that runs on a CPU):
+- ``cca``: the exported class (stock ``LlamaForCausalLM`` + ``CCAModelMixin``, the CLI's defaults g=16, s=1024,
+  pooling kv, attn_backend auto) with its own ``CCACache``.
+- ``full``: stock ``LlamaForCausalLM``, SDPA, ``DynamicCache``: what ``generate()`` does by default.
+- ``full-static``: the same with ``cache_implementation="static"``; on CUDA, transformers then compiles the decode
+  step (torch.compile "reduce-overhead": CUDA graphs) and SDPA reads the GQA cache without copies. The best full
+  attention this model class offers: the fair baseline every ratio is printed against.
+- ``floor``: the bytes one decode step must read (every weight but the input embedding, plus the cache at context L)
+  over the GPU's memory bandwidth; "% floor" = floor / measured.
 
-Per-token latency = mean over timed steps of one ``forward`` of one new token (CUDA events), after warm-up.
-``attn layer``: one CCAAttention module (projections included) with its layer's cache.
-``max batch @128K``: largest batch of a tried ladder whose cache fill + one decode step runs without OOM.
+Long prompts are prefilled in chunks (``--prefill-chunk``, transformers' ``prefill_chunk_size``) for every row, so
+that batch x context fits in activation memory. A cell that runs out of memory prints OOM.
 
-    python benchmarks/decode.py --out benchmarks/results/decode-h200
+    python benchmarks/decode.py --out benchmarks/results/decode-h200                      # 8K/32K/128K x 1/16/64
+    python benchmarks/decode.py --contexts 131072 --batches 64 --backends cca             # one expensive cell
+    python benchmarks/decode.py --smoke --device cpu                                      # the code path, tiny
+
+The first releases' synthetic-cache measurement (caches filled with random tensors, no prefill, one forward per
+step) is ``benchmarks/decode_synthetic.py``: a secondary table that isolates the per-step work.
 """
 
+from __future__ import annotations
+
 import argparse
-import csv
-import os
+import json
+import statistics
+import sys
 import time
-import traceback
+from pathlib import Path
 
 import torch
 import transformers
+from transformers import LogitsProcessor, LogitsProcessorList
 
-from cca_convert import published
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cca_convert import published  # noqa: E402
+from cca_convert.families import FAMILIES  # noqa: E402
 
-mc = published.load("modeling_cca")
-cc = published.load("configuration_cca")
-cache_mod = published.load("cache_cca")
-
-BF16 = torch.bfloat16
-DEV = "cuda"
-
-
-def make_config(backend, layers, g, s, pooling):
-    llama = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=140000,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
-    return cc.CCAConfig(**llama.to_dict(), group_size=g, local_window=s, pooling=pooling, attn_backend=backend)
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
+BACKENDS = ("cca", "full", "full-static")
 
 
-def fill_full(cfg, bsz, ctx, layers):
-    cache = transformers.DynamicCache(config=cfg)
-    for i in range(layers):
-        k = torch.randn(bsz, cfg.num_key_value_heads, ctx, cfg.head_dim, device=DEV, dtype=BF16)
-        cache.update(k, torch.randn_like(k), i)
-        del k
-    return cache
+class StepClock(LogitsProcessor):
+    """Stamps the time of every generation step (called once per new token, after its forward)."""
+
+    def __init__(self, device):
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
 
 
-def fill_cca(cfg, bsz, ctx, layers):
-    cache = cache_mod.CCACache(cfg)
-    g, s, d, n_kv = cfg.group_size, cfg.local_window, cfg.head_dim, cfg.num_key_value_heads
-    core_heads = cfg.num_attention_heads if cfg.pooling == "query" else n_kv
-    for layer in cache.layers[:layers]:
-        layer.core_k = torch.randn(bsz, core_heads, ctx // g, d, device=DEV, dtype=BF16)
-        layer.core_v = torch.randn_like(layer.core_k)
-        layer.win_k = torch.randn(bsz, n_kv, s + g - 1, d, device=DEV, dtype=BF16)
-        layer.win_v = torch.randn_like(layer.win_k)
-        layer.grp_k = torch.randn(bsz, n_kv, g, d, device=DEV, dtype=BF16)
-        layer.mid_cos = torch.ones(bsz, d, device=DEV, dtype=BF16)
-        layer.mid_sin = torch.zeros(bsz, d, device=DEV, dtype=BF16)
-        layer.seen = torch.full((bsz,), ctx, device=DEV, dtype=torch.long)
-        layer.cols = layer.max_seen = ctx
-    return cache
+def configs(args):
+    if args.smoke:
+        shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    else:
+        shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=max(args.contexts) + args.new_tokens + 64,
+                                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    config.cca_group_size, config.cca_local_window = args.group_size, args.local_window
+    config.cca_pooling, config.cca_attn_backend = "kv", "auto"
+    return config
 
 
-def timed(step, warmup, iters):
-    for i in range(warmup):
-        step(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-        step(warmup + i)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def build(args, dtype):
+    """The CCA export's class and stock LlamaForCausalLM, sharing one set of random weights."""
+    config = configs(args)
+    cls = published.family_class(FAMILIES["llama"], "cca")
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(args.device):
+            torch.manual_seed(0)
+            cca = cls(config).eval()
+        with torch.device("meta"):
+            full = transformers.LlamaForCausalLM(configs(args)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    full.config._attn_implementation = "sdpa"
+    full.load_state_dict(cca.state_dict(), assign=True)  # the same tensors, not a copy
+    full.model.rotary_emb = cca.model.rotary_emb  # its inv_freq is a non-persistent buffer
+    full.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    cca.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    return cca, full
 
 
-def use_backend(model, backend):
-    """``full``: SDPA as PyTorch dispatches it (cuDNN attention on H100/H200 with torch 2.11, which plans a new
-    cuDNN graph whenever the key length changes, i.e. every decoding step); ``full-nocudnn``: same, cuDNN SDPA off."""
-    model.config.attn_backend = "full" if backend.startswith("full") else backend
-    torch.backends.cuda.enable_cudnn_sdp(backend != "full-nocudnn")
+def floor_ms(model, backend, context, batch, bandwidth) -> float:
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    cache_cca, cache_full = published.load("cache_cca").cache_bytes(
+        context, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        cfg.cca_group_size, cfg.cca_local_window, cfg.cca_pooling, model.dtype.itemsize, batch)
+    return (weights + (cache_cca if backend == "cca" else cache_full)) / bandwidth * 1e3
 
 
-def bench_model(model, backend, bsz, ctx, layers, warmup, iters):
-    use_backend(model, backend)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    full = backend.startswith("full")
-    cache = (fill_full if full else fill_cca)(model.config, bsz, ctx, layers)
-    cache_gib = (sum(layer.keys.numel() * 2 * 2 for layer in cache.layers) if full else cache.nbytes()) / 2**30
-    ids = torch.randint(0, model.config.vocab_size, (bsz, 1), device=DEV)
-
-    def step(i):
-        pos = torch.full((bsz, 1), ctx + i, device=DEV)
-        model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-
-    with torch.no_grad():
-        ms = timed(step, warmup, iters)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del cache
-    return ms, peak, cache_gib
-
-
-def bench_layer(model, backend, bsz, ctx, warmup, iters):
-    use_backend(model, backend)
-    attn = model.model.layers[0].self_attn
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    cache = (fill_full if backend.startswith("full") else fill_cca)(model.config, bsz, ctx, 1)
-    hidden = torch.randn(bsz, 1, model.config.hidden_size, device=DEV, dtype=BF16)
-
-    def step(i):
-        pos = torch.full((bsz, 1), ctx + i, device=DEV)
-        attn(hidden, model.model.rotary_emb(hidden, pos), None, cache)
-
-    with torch.no_grad():
-        ms = timed(step, warmup, iters)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del cache
-    return ms, peak
-
-
-def profile_steps(model, ctx, bsz):
-    for backend in ("full", "full-nocudnn", "auto"):
-        use_backend(model, backend)
-        attn = model.model.layers[0].self_attn
-        cache = (fill_full if backend.startswith("full") else fill_cca)(model.config, bsz, ctx, 1)
-        hidden = torch.randn(bsz, 1, model.config.hidden_size, device=DEV, dtype=BF16)
-        with torch.no_grad():
-            for i in range(5):
-                attn(hidden, model.model.rotary_emb(hidden, torch.full((bsz, 1), ctx + i, device=DEV)), None, cache)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for i in range(5, 10):
-                    attn(hidden, model.model.rotary_emb(hidden, torch.full((bsz, 1), ctx + i, device=DEV)), None, cache)
-                torch.cuda.synchronize()
-        print(f"--- {backend} ctx={ctx} batch={bsz} (5 steps)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
-        del cache
+def run_cell(model, backend, context, batch, args) -> dict:
+    device = torch.device(args.device)
+    gen = torch.Generator(device="cpu").manual_seed(context + batch)
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
+    clock = StepClock(device)
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                  logits_processor=LogitsProcessorList([clock]), prefill_chunk_size=args.prefill_chunk)
+    if backend == "full-static":
+        kwargs["cache_implementation"] = "static"
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    total = time.perf_counter() - start
+    if out.shape != (batch, context + args.new_tokens):
+        raise RuntimeError(f"generate returned {tuple(out.shape)}")
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    settled = steps[min(args.skip, len(steps) - 1):]
+    ms = statistics.median(settled) * 1e3
+    return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "prefill_s": clock.stamps[0] - start,
+            "total_s": total, "steps_ms": [round(x * 1e3, 3) for x in steps],
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
-def max_batch(model, backend, ctx, ladder, layers):
-    best = 0
-    for bsz in ladder:
-        try:
-            ms, peak, _ = bench_model(model, backend, bsz, ctx, layers, warmup=1, iters=1)
-            best = bsz
-            print(f"  max-batch probe {backend:4s} ctx={ctx} batch={bsz}: ok ({ms:.1f} ms/token, peak {peak:.1f} GiB)", flush=True)
-        except torch.OutOfMemoryError:
-            print(f"  max-batch probe {backend:4s} ctx={ctx} batch={bsz}: OOM", flush=True)
-            torch.cuda.empty_cache()
-            break
-    torch.cuda.empty_cache()
-    return best
+def table(rows, bandwidth_name) -> str:
+    lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
+             f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA tokens/s |",
+             "|" + " --- |" * (len(BACKENDS) + 7)]
+    for r in rows:
+        cells = r["cells"]
+
+        def ms(b):
+            c = cells.get(b)
+            return "-" if c is None else (c if isinstance(c, str) else f"{c['ms_per_token']:.2f}")
+
+        def ratio(b):
+            a, c = cells.get("cca"), cells.get(b)
+            if isinstance(a, dict) and isinstance(c, dict):
+                return f"{c['ms_per_token'] / a['ms_per_token']:.2f}x"
+            return "-"
+
+        def pct(b, floor):
+            c = cells.get(b)
+            return f"{floor:.2f} ({100 * floor / c['ms_per_token']:.0f}%)" if isinstance(c, dict) else f"{floor:.2f}"
+
+        cca = cells.get("cca")
+        lines.append(f"| {r['context']} | {r['batch']} | {' | '.join(ms(b) for b in BACKENDS)} | "
+                     f"{pct('cca', r['floor_cca_ms'])} | {pct('full-static', r['floor_full_ms'])} | "
+                     f"{ratio('full-static')} | {ratio('full')} | "
+                     f"{cca['tokens_per_s']:.0f} |" if isinstance(cca, dict) else
+                     f"| {r['context']} | {r['batch']} | {' | '.join(ms(b) for b in BACKENDS)} | "
+                     f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | - |")
+    lines.append(f"\nfloor: bytes read per step / {bandwidth_name}; ratios > 1x: CCA is faster")
+    return "\n".join(lines)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/decode")
-    ap.add_argument("--contexts", default="8192,32768,131072")
-    ap.add_argument("--batches", default="1,4")
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--contexts", type=ints, default=[8192, 32768, 131072])
+    ap.add_argument("--batches", type=ints, default=[1, 16, 64])
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--skip", type=int, default=4, help="first steps left out of the median (compile, capture)")
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--local-window", type=int, default=1024)
-    ap.add_argument("--pooling", default="kv")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--full-ladder", default="4,6,7,8,16")
-    ap.add_argument("--cca-ladder", default="16,32,64,96,128")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler of one attention-layer step per backend")
+    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device name)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model (any device): the code path, not the numbers")
+    ap.add_argument("--out", type=Path, default=None, help="folder for decode.md / decode.json")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(0)
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backend(s) {unknown}; choose from {BACKENDS}")
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bandwidth = args.bandwidth or next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+    if bandwidth is None:
+        if not args.smoke:
+            ap.error(f"no memory bandwidth known for {name!r}: pass --bandwidth BYTES_PER_S")
+        bandwidth = 1e11  # a smoke run's floor is not a claim
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()
-    cfg = make_config("auto", args.layers, args.group_size, args.local_window, args.pooling)
-    torch.set_default_dtype(BF16)
-    with torch.device(DEV):
-        model = mc.CCAForCausalLM(cfg).eval()
-    torch.set_default_dtype(torch.float32)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, built in {time.time() - t0:.0f}s; "
-          f"g={cfg.group_size} s={cfg.local_window} pooling={cfg.pooling}; {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
-
-    if args.profile:
-        profile_steps(model, int(args.contexts.split(",")[-1]), int(args.batches.split(",")[0]))
-        return
-
+    cca, full = build(args, dtype)
+    head = (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
+            f"{sum(p.numel() for p in cca.parameters()) / 1e9:.2f}B parameters ({dtype}), "
+            f"g={cca.config.cca_group_size} s={cca.config.cca_local_window}, {args.new_tokens} new tokens, "
+            f"prefill chunks of {args.prefill_chunk}; built in {time.time() - t0:.0f}s")
+    print(head, flush=True)
     rows = []
-    contexts = [int(x) for x in args.contexts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
-    for ctx in contexts:
-        for bsz in batches:
-            res = {}
-            try:
-                for backend in ("full", "full-nocudnn", "auto"):
-                    lay_ms, lay_peak = bench_layer(model, backend, bsz, ctx, args.warmup, 3 * args.iters)
-                    ms, peak, cache_gib = bench_model(model, backend, bsz, ctx, args.layers, args.warmup, args.iters)
-                    res[backend] = (lay_ms, lay_peak, ms, peak, cache_gib)
-            except Exception:  # keep the rest of the table
-                traceback.print_exc()
-                torch.cuda.empty_cache()
-                continue
-            f, n, c = res["full"], res["full-nocudnn"], res["auto"]
-            row = dict(
-                context=ctx, batch=bsz,
-                layer_full_ms=f[0], layer_full_nocudnn_ms=n[0], layer_cca_ms=c[0],
-                layer_speedup=f[0] / c[0], layer_speedup_nocudnn=n[0] / c[0],
-                model_full_ms=f[2], model_full_nocudnn_ms=n[2], model_cca_ms=c[2],
-                model_speedup=f[2] / c[2], model_speedup_nocudnn=n[2] / c[2],
-                cache_full_gib=f[4], cache_cca_gib=c[4], peak_full_gib=max(f[3], n[3]), peak_cca_gib=c[3],
-            )
+    for context in args.contexts:
+        for batch in args.batches:
+            row = {"context": context, "batch": batch, "cells": {},
+                   "floor_cca_ms": floor_ms(cca, "cca", context, batch, bandwidth),
+                   "floor_full_ms": floor_ms(cca, "full", context, batch, bandwidth)}
+            for backend in backends:
+                model = cca if backend == "cca" else full
+                try:
+                    row["cells"][backend] = run_cell(model, backend, context, batch, args)
+                    cell = row["cells"][backend]
+                    print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
+                          f"(prefill {cell['prefill_s']:.1f}s)", flush=True)
+                except torch.OutOfMemoryError:
+                    row["cells"][backend] = "OOM"
+                    print(f"  L={context} batch={batch} {backend}: OOM", flush=True)
+                    torch.cuda.empty_cache()
             rows.append(row)
-            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-
-    ctx_max = max(contexts)
-    mb_full = max_batch(model, "full-nocudnn", ctx_max, [int(x) for x in args.full_ladder.split(",")], args.layers)
-    mb_cca = max_batch(model, "auto", ctx_max, [int(x) for x in args.cca_ladder.split(",")], args.layers)
-
-    header = (f"{'context':>7} {'B':>2} | {'layer full/noCuDNN/CCA (ms)':>28} {'x':>13} | "
-              f"{'model full/noCuDNN/CCA (ms)':>27} {'x':>11} | {'cache full/CCA GiB':>18} | {'peak full/CCA GiB':>17}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r['context']:>7} {r['batch']:>2} | {r['layer_full_ms']:>8.3f} {r['layer_full_nocudnn_ms']:>8.3f} {r['layer_cca_ms']:>8.3f}   "
-            f"{r['layer_speedup']:>5.1f}x/{r['layer_speedup_nocudnn']:>5.1f}x | "
-            f"{r['model_full_ms']:>8.2f} {r['model_full_nocudnn_ms']:>8.2f} {r['model_cca_ms']:>7.2f}   "
-            f"{r['model_speedup']:>4.1f}x/{r['model_speedup_nocudnn']:>4.1f}x | "
-            f"{r['cache_full_gib']:>8.2f} {r['cache_cca_gib']:>8.2f} | {r['peak_full_gib']:>8.1f} {r['peak_cca_gib']:>7.1f}"
-        )
-    lines.append(f"largest batch that fits at context {ctx_max} (ladders full {args.full_ladder}, CCA {args.cca_ladder}): "
-                 f"full {mb_full}, CCA {mb_cca}")
-    table = "\n".join(lines)
-    print("\n" + table)
-    with open(os.path.join(args.out, "decode.csv"), "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(args.out, "decode_max_batch.csv"), "w", newline="") as fh:
-        fh.write(f"context,backend,max_batch,ladder\n{ctx_max},full,{mb_full},{args.full_ladder.replace(',', ' ')}\n"
-                 f"{ctx_max},cca,{mb_cca},{args.cca_ladder.replace(',', ' ')}\n")
-    with open(os.path.join(args.out, "decode_table.txt"), "w") as fh:
-        fh.write(table + "\n")
-    print(f"total {time.time() - t0:.0f}s")
+    text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s")
+    print("\n" + text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode.md").write_text("$ python benchmarks/decode.py " + " ".join(sys.argv[1:]) + "\n\n" + text
+                                            + "\n")
+        (args.out / "decode.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,7 +12,7 @@ weights; the first optimizer step (Triton compilation and autotuning) is left ou
     # multi-GPU smoke tests of the same stage (tiny model): DDP with an interrupted + resumed run, FSDP:
     accelerate launch --num_processes 2 benchmarks/finetune_8b.py --resume-check
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 --mixed_precision bf16 \\
-        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap CCADecoderLayer \\
+        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer \\
         --fsdp_state_dict_type FULL_STATE_DICT benchmarks/finetune_8b.py --tiny --method qkv
 """
 
@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 from cca_convert import published
 from cca_convert.errors import CCAError
+from cca_convert.families import FAMILIES
 from cca_convert.finetune import trainer
 from cca_convert.recipe import Recipe
 
@@ -95,14 +97,15 @@ def stub_data(vocab):
 
 
 def build_model(shape: dict, device: str, backend: str):
-    config = published.load("configuration_cca").CCAConfig(
-        **shape, group_size=16, local_window=1024, pooling="kv", attn_backend=backend, use_cache=False,
-        dtype="bfloat16")
+    """The exported class (stock LlamaForCausalLM + CCAModelMixin) with the CLI's CCA settings, random weights."""
+    config = transformers.LlamaConfig(**shape, use_cache=False, dtype="bfloat16")
+    config.cca_group_size, config.cca_local_window, config.cca_pooling = 16, 1024, "kv"
+    config.cca_attn_backend = backend
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = published.load("modeling_cca").CCAForCausalLM(config)
+            model = published.family_class(FAMILIES["llama"], "cca")(config)
     finally:
         torch.set_default_dtype(torch.float32)
     return model
@@ -121,7 +124,7 @@ def recipe_for(args, backend):
 
 def run_one(args, model, backend, root: Path, resume=False, on_step=None):
     device = _device()
-    model.config.attn_backend = backend
+    model.config.cca_attn_backend = backend
     job = BenchJob(recipe_for(args, backend), model.config, model, device, root, resume=resume)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

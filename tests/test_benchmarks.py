@@ -1,0 +1,23 @@
+"""The benchmark scripts run (on a tiny model, CPU): they are what the results tables come from."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
+    cmd = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--contexts", "70",
+           "--batches", "1,2", "--new-tokens", "6", "--skip", "1", "--prefill-chunk", "48", "--group-size", "4",
+           "--local-window", "16", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert [(r["context"], r["batch"]) for r in rows] == [(70, 1), (70, 2)]
+    for row in rows:
+        assert set(row["cells"]) == {"cca", "full", "full-static"}
+        for cell in row["cells"].values():
+            assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
+    assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
