@@ -18,8 +18,9 @@ Conventions
   repeat_kv'd keys as ChunkLlama does, then an fp32 LSE merge; its query/key rotations are timed too.
 - Decode (attention only): one new query at position L-1 against a cache of L keys, per layer; x32 for a model.
 - ``--model``: Llama-3.1-8B-shaped model with random bf16 weights (32 layers), a real prefill then ``generate()``:
-  ms/token = (time of generate(1 + N tokens) - time of generate(1 token)) / N, DCA model vs the same weights with
-  transformers' SDPA attention (both with their dynamic caches; no static cache or CUDA graph on either side).
+  ms/token = the median step time inside that one generate() call (``benchmarks/step_clock.py``), DCA model vs the
+  same weights with transformers' SDPA attention (both with their dynamic caches; no static cache or CUDA graph
+  on either side).
 """
 
 import argparse
@@ -27,7 +28,6 @@ import functools
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import published  # noqa: E402
 
 ref = published.load("dca_reference")
@@ -222,17 +223,8 @@ def model_rows(lengths, new_tokens):
         for name, impl in (("DCA", "dca"), ("base (SDPA)", "sdpa")):
             model.config._attn_implementation = impl
 
-            def gen(n):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                with torch.no_grad():
-                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-                torch.cuda.synchronize()
-                return time.perf_counter() - t
-
-            gen(2)  # warm-up (compiles the kernels for this length)
-            one, many = gen(1), gen(1 + new_tokens)
-            row[name] = {"prefill_s": one, "ms_per_token": (many - one) / new_tokens * 1e3}
+            timed_generate(model, ids[:, :1024], 4)  # warm-up: compiles the kernels
+            row[name] = timed_generate(model, ids, new_tokens)
             torch.cuda.empty_cache()
         rows.append(row)
     model.config._attn_implementation = "dca"

@@ -30,34 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
 BACKENDS = ("cca", "full", "full-static")
-
-
-class StepClock(LogitsProcessor):
-    """Stamps the time of every generation step (called once per new token, after its forward)."""
-
-    def __init__(self, device):
-        self.device, self.stamps = device, []
-
-    def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
-        return scores
 
 
 def configs(args):
@@ -110,26 +96,16 @@ def run_cell(model, backend, context, batch, args) -> dict:
     device = torch.device(args.device)
     gen = torch.Generator(device="cpu").manual_seed(context + batch)
     ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
-    clock = StepClock(device)
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                  logits_processor=LogitsProcessorList([clock]), prefill_chunk_size=args.prefill_chunk)
+    kwargs = {"prefill_chunk_size": args.prefill_chunk}
     if backend == "full-static":
         kwargs["cache_implementation"] = "static"
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    total = time.perf_counter() - start
-    if out.shape != (batch, context + args.new_tokens):
-        raise RuntimeError(f"generate returned {tuple(out.shape)}")
-    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    settled = steps[min(args.skip, len(steps) - 1):]
-    ms = statistics.median(settled) * 1e3
-    return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "prefill_s": clock.stamps[0] - start,
-            "total_s": total, "steps_ms": [round(x * 1e3, 3) for x in steps],
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    cell = timed_generate(model, ids, args.new_tokens, args.skip, **kwargs)
+    cell["tokens_per_s"] = batch / cell["ms_per_token"] * 1e3
+    cell["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return cell
 
 
 def table(rows, bandwidth_name) -> str:

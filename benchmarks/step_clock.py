@@ -1,0 +1,40 @@
+"""Per-token times read inside one real ``generate()`` call (benchmarks/decode.py, benchmarks/dca.py --model)."""
+
+import statistics
+import time
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+class StepClock(LogitsProcessor):
+    """Stamps every generation step: generate calls its logits processors once per new token, after that token's
+    forward. A device sync before each stamp (generate syncs every step anyway to check its stopping criteria)."""
+
+    def __init__(self, device):
+        self.device, self.stamps = torch.device(device), []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def timed_generate(model, ids, new_tokens, skip=4, **kwargs) -> dict:
+    """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``. ``prefill_s``: start to the first
+    token; ``ms_per_token``: median step after the first ``skip`` (compilation, graph capture); ``steps_ms``: all."""
+    clock = StepClock(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False,
+                             logits_processor=LogitsProcessorList([clock]), **kwargs)
+    if out.shape != (ids.shape[0], ids.shape[1] + new_tokens):
+        raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {new_tokens} new tokens per row")
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    if not steps:
+        raise ValueError("timed_generate needs new_tokens >= 2")
+    ms = statistics.median(steps[min(skip, len(steps) - 1):]) * 1e3
+    return {"ms_per_token": ms, "prefill_s": clock.stamps[0] - start, "total_s": time.perf_counter() - start,
+            "steps_ms": [round(x * 1e3, 3) for x in steps]}
