@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
 BACKENDS = ("auto", "triton", "reference")
+KERNEL_ON_CPU = False  # tests: run the Triton kernels on CPU tensors (TRITON_INTERPRET=1), as "auto" does on CUDA
 
 
 def dca_settings(config) -> tuple[int, int, int]:
@@ -199,14 +200,15 @@ def _leading_pads_only(valid) -> bool:
 def _use_kernel(config, q) -> bool:
     backend = getattr(config, "dca_attn_backend", "auto")
     needs_grad = torch.is_grad_enabled() and q.requires_grad
+    on_device = q.is_cuda or KERNEL_ON_CPU
     if backend == "triton":
-        if dca_attention_triton is None or not q.is_cuda:
+        if dca_attention_triton is None or not on_device:
             raise RuntimeError("dca_attn_backend='triton' needs triton and a CUDA device; use 'auto' or 'reference'")
         if needs_grad:
             raise RuntimeError("the DCA Triton kernel is forward-only (DCA is training-free); set "
                                "dca_attn_backend='reference' to backpropagate through DCA attention")
         return True
-    return backend == "auto" and dca_attention_triton is not None and q.is_cuda and not needs_grad
+    return backend == "auto" and dca_attention_triton is not None and on_device and not needs_grad
 
 
 dca_attention_forward = dispatching("dca")

@@ -105,18 +105,15 @@ def test_bad_backend_and_unprefixed_options_fail_when_the_model_is_built():
         type(model)(config)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_gpu_kernel_equals_reference_at_model_level(family, dtype, c_orig):
+def kernel_vs_reference(family, dtype, c_orig, device, steps=30, new_tokens=40):
     """The whole model: Triton kernel vs the PyTorch twin, prefill (with left padding) and then cached decode and a
     chunked-prefill pass across chunk boundaries (C = 24, s = 16; 150 tokens cross 9 boundaries). Without the
     temperature the cached passes also equal the full pass. (With it they cannot, past one layer: a token's deeper
     keys/values depend on the T of the pass that computed them, as in vLLM.)"""
     _, model = stock_and_dca(family, original_max_position_embeddings=c_orig)
-    model = model.to("cuda", dtype)
-    x = ids(length=150).cuda()
+    model = model.to(device, dtype)
+    end = 120 + steps
+    x = ids(length=end).to(device)
     mask = torch.ones_like(x)
     mask[1, :13] = 0
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
@@ -126,20 +123,54 @@ def test_gpu_kernel_equals_reference_at_model_level(family, dtype, c_orig):
         with torch.no_grad():
             full = model(x, attention_mask=mask, use_cache=False).logits.float()
             cache = model(x[:, :100], attention_mask=mask[:, :100], use_cache=True).past_key_values
-            steps = [model(x[:, 100:120], attention_mask=mask[:, :120], past_key_values=cache).logits]
-            for i in range(120, 150):
-                steps.append(model(x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits)
-        runs[backend] = (full, torch.cat(steps, 1).float())
+            out = [model(x[:, 100:120], attention_mask=mask[:, :120], past_key_values=cache).logits]
+            for i in range(120, end):
+                out.append(model(x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits)
+        runs[backend] = (full, torch.cat(out, 1).float())
     torch.testing.assert_close(runs["triton"][0], runs["reference"][0], **tol)
     torch.testing.assert_close(runs["triton"][1], runs["reference"][1], **tol)
     if dtype == torch.float32 and not c_orig:
         torch.testing.assert_close(runs["triton"][1], runs["triton"][0][:, 100:], **tol)
     model.config.dca_attn_backend = "auto"
     with torch.no_grad():
-        greedy = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=40, do_sample=False,
+        greedy = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=new_tokens, do_sample=False,
                                 pad_token_id=0, eos_token_id=None)
         model.config.dca_attn_backend = "reference"
-        twin = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=40, do_sample=False,
+        twin = model.generate(x[:, :40], attention_mask=mask[:, :40], max_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=0, eos_token_id=None)
     if dtype == torch.float32:
         assert torch.equal(greedy, twin)
+    return model
+
+
+@pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
+def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch):
+    """The model's kernel path (the Triton attention, key rotation and split merge, the per-pass shared state) run on
+    CPU tensors by Triton's interpreter: what CI can check of what a GPU runs."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
+    shim = published.load("dca_hf")
+    monkeypatch.setattr(shim, "KERNEL_ON_CPU", True)
+    calls = {"attention": 0, "keys": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(shim, "dca_attention_triton", spy("attention", shim.dca_attention_triton))
+    monkeypatch.setattr(shim, "rotate_keys_triton", spy("keys", shim.rotate_keys_triton))
+    model = kernel_vs_reference("llama", torch.float32, c_orig, "cpu", steps=6, new_tokens=8)
+    layers = model.config.num_hidden_layers
+    assert calls["attention"] >= 10 * layers and calls["keys"] == calls["attention"], calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_gpu_kernel_equals_reference_at_model_level(family, dtype, c_orig):
+    kernel_vs_reference(family, dtype, c_orig, "cuda")
