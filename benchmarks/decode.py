@@ -7,7 +7,9 @@ include kernel compilation and, for the compiled baseline, CUDA-graph capture).
 
 Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``: a tiny one that runs on a CPU):
 - ``cca``: the exported class (stock ``LlamaForCausalLM`` + ``CCAModelMixin``, the CLI's defaults g=16, s=1024,
-  pooling kv, attn_backend auto) with its own ``CCACache``.
+  pooling kv, attn_backend auto) with its own ``CCACache``; on CUDA its one-token steps replay CUDA graphs (the
+  default, ``decode_graph.py``).
+- ``cca-eager``: the same with ``cca_cuda_graphs=False``: every step launched from Python.
 - ``full``: stock ``LlamaForCausalLM``, SDPA, ``DynamicCache``: what ``generate()`` does by default.
 - ``full-static``: the same with ``cache_implementation="static"``; on CUDA, transformers then compiles the decode
   step (torch.compile "reduce-overhead": CUDA graphs) and SDPA reads the GQA cache without copies. The best full
@@ -43,7 +45,7 @@ from cca_convert import published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
-BACKENDS = ("cca", "full", "full-static")
+BACKENDS = ("cca", "cca-eager", "full", "full-static")
 
 
 def configs(args):
@@ -89,7 +91,7 @@ def floor_ms(model, backend, context, batch, bandwidth) -> float:
     cache_cca, cache_full = published.load("cache_cca").cache_bytes(
         context, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
         cfg.cca_group_size, cfg.cca_local_window, cfg.cca_pooling, model.dtype.itemsize, batch)
-    return (weights + (cache_cca if backend == "cca" else cache_full)) / bandwidth * 1e3
+    return (weights + (cache_cca if backend.startswith("cca") else cache_full)) / bandwidth * 1e3
 
 
 def run_cell(model, backend, context, batch, args) -> dict:
@@ -99,6 +101,8 @@ def run_cell(model, backend, context, batch, args) -> dict:
     kwargs = {"prefill_chunk_size": args.prefill_chunk}
     if backend == "full-static":
         kwargs["cache_implementation"] = "static"
+    if backend.startswith("cca"):
+        model.config.cca_cuda_graphs = backend == "cca"
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -110,8 +114,9 @@ def run_cell(model, backend, context, batch, args) -> dict:
 
 def table(rows, bandwidth_name) -> str:
     lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
-             f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA tokens/s |",
-             "|" + " --- |" * (len(BACKENDS) + 7)]
+             f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA-eager vs full | "
+             f"CCA tokens/s |",
+             "|" + " --- |" * (len(BACKENDS) + 8)]
     for r in rows:
         cells = r["cells"]
 
@@ -119,8 +124,8 @@ def table(rows, bandwidth_name) -> str:
             c = cells.get(b)
             return "-" if c is None else (c if isinstance(c, str) else f"{c['ms_per_token']:.2f}")
 
-        def ratio(b):
-            a, c = cells.get("cca"), cells.get(b)
+        def ratio(b, ours="cca"):
+            a, c = cells.get(ours), cells.get(b)
             if isinstance(a, dict) and isinstance(c, dict):
                 return f"{c['ms_per_token'] / a['ms_per_token']:.2f}x"
             return "-"
@@ -132,10 +137,10 @@ def table(rows, bandwidth_name) -> str:
         cca = cells.get("cca")
         lines.append(f"| {r['context']} | {r['batch']} | {' | '.join(ms(b) for b in BACKENDS)} | "
                      f"{pct('cca', r['floor_cca_ms'])} | {pct('full-static', r['floor_full_ms'])} | "
-                     f"{ratio('full-static')} | {ratio('full')} | "
+                     f"{ratio('full-static')} | {ratio('full')} | {ratio('full', 'cca-eager')} | "
                      f"{cca['tokens_per_s']:.0f} |" if isinstance(cca, dict) else
                      f"| {r['context']} | {r['batch']} | {' | '.join(ms(b) for b in BACKENDS)} | "
-                     f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | - |")
+                     f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | {ratio('full', 'cca-eager')} | - |")
     lines.append(f"\nfloor: bytes read per step / {bandwidth_name}; ratios > 1x: CCA is faster")
     return "\n".join(lines)
 
@@ -183,12 +188,13 @@ def main() -> int:
                    "floor_cca_ms": floor_ms(cca, "cca", context, batch, bandwidth),
                    "floor_full_ms": floor_ms(cca, "full", context, batch, bandwidth)}
             for backend in backends:
-                model = cca if backend == "cca" else full
+                model = cca if backend.startswith("cca") else full
                 try:
                     row["cells"][backend] = run_cell(model, backend, context, batch, args)
                     cell = row["cells"][backend]
                     print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
-                          f"(prefill {cell['prefill_s']:.1f}s)", flush=True)
+                          f"(prefill {cell['prefill_s']:.1f}s, {cell['graph_replays']} steps replayed from CUDA "
+                          f"graphs)", flush=True)
                 except torch.OutOfMemoryError:
                     row["cells"][backend] = "OOM"
                     print(f"  L={context} batch={batch} {backend}: OOM", flush=True)

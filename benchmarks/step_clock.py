@@ -23,13 +23,16 @@ class StepClock(LogitsProcessor):
 
 def timed_generate(model, ids, new_tokens, skip=4, **kwargs) -> dict:
     """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``. ``prefill_s``: start to the first
-    token; ``ms_per_token``: median step after the first ``skip`` (compilation, graph capture); ``steps_ms``: all."""
+    token; ``ms_per_token``: median step after the first ``skip`` (compilation, graph capture); ``steps_ms``: all;
+    ``graph_replays``: steps a CCA cache replayed from a CUDA graph."""
     clock = StepClock(ids.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False,
-                             logits_processor=LogitsProcessorList([clock]), **kwargs)
+                             logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True, **kwargs)
+    graphs = getattr(out.past_key_values, "decode_graphs", None)  # a CCA cache's CUDA-graph record, if it used one
+    out = out.sequences
     if out.shape != (ids.shape[0], ids.shape[1] + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {new_tokens} new tokens per row")
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
@@ -37,4 +40,4 @@ def timed_generate(model, ids, new_tokens, skip=4, **kwargs) -> dict:
         raise ValueError("timed_generate needs new_tokens >= 2")
     ms = statistics.median(steps[min(skip, len(steps) - 1):]) * 1e3
     return {"ms_per_token": ms, "prefill_s": clock.stamps[0] - start, "total_s": time.perf_counter() - start,
-            "steps_ms": [round(x * 1e3, 3) for x in steps]}
+            "steps_ms": [round(x * 1e3, 3) for x in steps], "graph_replays": graphs.replays if graphs else 0}

@@ -32,6 +32,7 @@ METHOD_FILES = {
         "attention_hooks.py": MODELING_DIR,
         "attention_cca.py": MODELING_DIR,
         "cache_cca.py": MODELING_DIR,
+        "decode_graph.py": MODELING_DIR,
         "cca_reference.py": KERNELS_DIR,
         "cca_triton.py": KERNELS_DIR,
         "cca_pool_triton.py": KERNELS_DIR,

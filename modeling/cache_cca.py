@@ -23,6 +23,10 @@ never pooled and never keys. ``get_seq_length()`` counts columns, pads included,
 The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
 the compressed state; later calls run the decode kernel (one token) or exact torch math over
 ``[core tokens ++ ring ++ new chunk]`` (chunked prefill), pooling groups as they complete.
+
+A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
+``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``decode_tensors``); the
+host-side counters (``cols``, ``max_seen``) are advanced outside the replay (``advance``).
 """
 
 import torch
@@ -38,6 +42,7 @@ except ImportError:  # triton is optional
     cca_decode_append_triton = cca_decode_attention_triton = None
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
+GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
 ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
 
 
@@ -154,7 +159,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
     def _state(self, clone: bool) -> dict:
         names = ("seen", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin", "core_k", "core_v")
-        state = {n: getattr(self, n).clone() if clone and n not in ("seen", "core_k", "core_v") else getattr(self, n)
+        state = {n: getattr(self, n).clone() if clone and n not in ("core_k", "core_v") else getattr(self, n)
                  for n in names}
         state.update(cols=self.cols, max_seen=self.max_seen)
         return state
@@ -212,6 +217,19 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             undo["inputs"] = (q, k, v, cos, sin, mask, scale)
         self._undo = undo
         return out
+
+    def uses_decode_kernels(self, head_dim: int) -> bool:
+        """Whether one-token steps run the Triton decode kernels (in-place writes only: what a CUDA graph can replay)."""
+        cfg = self.config
+        return (cca_decode_attention_triton is not None and cfg.attn_backend in ("auto", "triton")
+                and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+    def reserve(self, steps: int):
+        """Core capacity for the next ``steps`` one-token steps; when short, GRAPH_RESERVE more tokens' worth at once
+        (growing replaces the core tensors, which invalidates captured steps)."""
+        g = self.config.group_size
+        if self.core_k.shape[2] < (self.max_seen + steps) // g + 1:
+            self._grow_core((self.max_seen + steps + GRAPH_RESERVE) // g + 1)
 
     def _grow_core(self, needed: int):
         have = self.core_k.shape[2]
@@ -272,7 +290,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             )
             n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
             out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
-            self.seen = t + real.long()
+            self.seen.add_(real.to(t.dtype))  # in place: a captured step must write where the next one reads
             self.cols += 1
             self.max_seen += 1
             return out[:, :, None]
@@ -308,7 +326,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.core_k[rows, :, slot] = ck[:, :, 0]
         self.core_v[rows, :, slot] = cv[:, :, 0]
 
-        self.seen = t + real.long()
+        self.seen.add_(real.to(t.dtype))
         self.cols += 1
         self.max_seen += 1
         return out
@@ -429,6 +447,34 @@ class CCACache(Cache):
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    # --- what a CUDA-graph decode step (decode_graph.py) needs ----------------------------------------------------
+    def graphable(self, head_dim: int) -> bool:
+        """Whether a one-token step may be replayed from a CUDA graph: every layer is a filled CCA layer on the
+        Triton decode path and no crop was announced (assisted decoding keeps per-step undo copies)."""
+        return all(isinstance(layer, CCALayerCache) and layer.seen is not None and layer.seen.is_cuda
+                   and not layer.record_past and layer.uses_decode_kernels(head_dim) for layer in self.layers)
+
+    def decode_tensors(self, steps: int) -> list:
+        """The tensors a one-token step reads and writes, after reserving core capacity for ``steps`` more steps; a
+        captured step stays valid while these are the same objects."""
+        for layer in self.layers:
+            layer.reserve(steps)
+        return [getattr(layer, n) for layer in self.layers for n in layer._tensors()]
+
+    def host_counters(self) -> list:
+        return [(layer.cols, layer.max_seen, layer._undo) for layer in self.layers]
+
+    def set_host_counters(self, counters: list):
+        for layer, (cols, max_seen, undo) in zip(self.layers, counters):
+            layer.cols, layer.max_seen, layer._undo = cols, max_seen, undo
+
+    def advance(self, tokens: int):
+        """What a replayed one-token step does on the host: count the column."""
+        for layer in self.layers:
+            layer.cols += tokens
+            layer.max_seen += tokens
+            layer._undo = None
 
     @staticmethod
     def prepare(config, past_key_values):

@@ -10,7 +10,8 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
   sliding attention and cache: CCA replaces full attention only.
 - a forward pre-hook on every attention module keeps the layer's ``position_embeddings`` and cache for that
   function (transformers passes neither to attention functions);
-- ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``).
+- ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``), and on CUDA
+  replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
@@ -24,10 +25,15 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .attention_hooks import MethodModelMixin, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import CCACache, CCALayerCache
+from .decode_graph import DecodeGraphs
+
+logger = logging.get_logger(__name__)
 
 DEFAULTS = {"group_size": 16, "local_window": 1024, "pooling": "kv", "attn_backend": "auto"}
 CHOICES = {"pooling": ("kv", "query"), "attn_backend": ("auto", "triton", "reference", "full")}
@@ -52,6 +58,9 @@ def check_settings(config):
         value = getattr(config, f"cca_{name}", DEFAULTS[name])
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"cca_{name} must be an integer >= 1, got {value!r}")
+    graphs = getattr(config, "cca_cuda_graphs", True)
+    if not isinstance(graphs, bool):
+        raise ValueError(f"cca_cuda_graphs must be true or false, got {graphs!r}")
     for name, choices in CHOICES.items():
         value = getattr(config, f"cca_{name}", DEFAULTS[name])
         if value not in choices:
@@ -161,7 +170,45 @@ class CCAModelMixin(MethodModelMixin):
             if past_key_values is None or (not isinstance(past_key_values, CCACache)
                                            and past_key_values.get_seq_length() == 0):
                 past_key_values = HFCCACache(self.config)
+        if uses_cca and use_cache and not args:
+            logits = self._replayed_decode(past_key_values, kwargs)
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+
+    # What generate() passes to a one-token step that a captured step can take (cache_position: only masks use it)
+    GRAPH_INPUTS = {"input_ids", "attention_mask", "position_ids", "return_dict", "output_hidden_states",
+                    "logits_to_keep", "cache_position"}
+
+    def _replayed_decode(self, cache, kwargs):
+        """The logits of a one-token step replayed from a CUDA graph, or None where this step runs eagerly."""
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        if (ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda or self.training
+                or torch.is_grad_enabled() or not getattr(self.config, "cca_cuda_graphs", True)
+                or getattr(self, "_graph_failure", None) or set(kwargs) - self.GRAPH_INPUTS
+                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False
+                or "dynamic" in rope_type or rope_type == "longrope"  # these re-plan their tables on the host
+                or not isinstance(cache, CCACache) or not cache.graphable(head_dim)):
+            return None
+        if mask is not None and not bool(mask[:, -1].all()):  # a pad column (the graph takes real tokens only)
+            return None
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.full_like(ids, cache.get_seq_length())
+        parent = super().forward
+
+        def step(input_ids, position_ids):
+            return parent(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True).logits
+
+        graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
+        logits = graphs.step(step, cache, ids, positions)
+        if graphs.failure:
+            self._graph_failure = graphs.failure
+            logger.warning_once(f"CUDA-graph decoding is off for this model: capturing a step failed "
+                                f"({graphs.failure}); decoding runs eagerly")
+        return logits
 
 
 __all__ = ["CCAModelMixin", "CCASettings", "HFCCACache", "cca_attention_forward", "check_settings"]

@@ -1,0 +1,74 @@
+"""CUDA-graph decoding (``modeling/decode_graph.py``): ``generate()`` replays captured one-token steps, and they give
+what eager steps give: same scores, same tokens, across re-captures (the core outgrowing its reserve), left padding,
+batch sizes, a second generate() and beam search (which reorders the cache every step)."""
+
+import pytest
+import torch
+
+from cca_convert import published
+from tests.factories import cca_hf_model_from, tiny_base_model
+
+
+def _model(dtype, pooling="kv", family="llama", **overrides):
+    base = tiny_base_model(family, max_position_embeddings=1024, pad_token_id=0, eos_token_id=2, **overrides)
+    return cca_hf_model_from(base, group_size=4, local_window=8, pooling=pooling, attn_backend="auto").to("cuda", dtype)
+
+
+def _prompt(bsz, length, pads=()):
+    x = torch.randint(3, 96, (bsz, length), generator=torch.Generator().manual_seed(bsz * 7 + length)).cuda()
+    mask = torch.ones_like(x)
+    for row, n in enumerate(pads):
+        mask[row, :n] = 0
+        x[row, :n] = 0
+    return x, mask
+
+
+def _generate(model, graphs, x, mask, **kw):
+    model.config.cca_cuda_graphs = graphs
+    out = model.generate(x, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
+                         output_scores=True, return_dict_in_generate=True, **kw)
+    return out, out.past_key_values
+
+
+def test_cuda_graphs_option_is_checked():
+    base = tiny_base_model("llama")
+    with pytest.raises(ValueError, match="cca_cuda_graphs must be true or false"):
+        cca_hf_model_from(base, cuda_graphs="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", ["kv", "query"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
+    monkeypatch.setattr(published.load("cache_cca"), "GRAPH_RESERVE", 24)  # re-capture every few groups
+    model = _model(dtype, pooling)
+    x, mask = _prompt(3, 37, pads=(0, 5, 11))
+    eager, _ = _generate(model, False, x, mask, max_new_tokens=90)
+    graphed, cache = _generate(model, True, x, mask, max_new_tokens=90)
+    graphs = cache.decode_graphs
+    assert graphs.failure is None and graphs.replays >= 60, (graphs.failure, graphs.replays)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), **tol)
+    if dtype == torch.float32:
+        assert torch.equal(graphed.sequences, eager.sequences)
+    # decode == prefill: the replayed steps' logits are the no-cache forward's
+    full = model(graphed.sequences, attention_mask=torch.cat([mask, torch.ones_like(graphed.sequences[:, 37:])], 1),
+                 use_cache=False).logits[:, 36:-1].float()
+    torch.testing.assert_close(torch.stack(graphed.scores, 1).float(), full, **tol)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_graphs_follow_new_caches_batch_sizes_and_beam_search():
+    model = _model(torch.float32)
+    for bsz, length in ((1, 20), (4, 9), (1, 50)):  # a new cache (and batch size) each time: captured anew
+        x, mask = _prompt(bsz, length)
+        eager, _ = _generate(model, False, x, mask, max_new_tokens=30)
+        graphed, cache = _generate(model, True, x, mask, max_new_tokens=30)
+        assert cache.decode_graphs.replays >= 25
+        assert torch.equal(graphed.sequences, eager.sequences)
+    x, mask = _prompt(2, 21)
+    eager, _ = _generate(model, False, x, mask, max_new_tokens=12, num_beams=3)
+    graphed, cache = _generate(model, True, x, mask, max_new_tokens=12, num_beams=3)
+    assert torch.equal(graphed.sequences, eager.sequences)
