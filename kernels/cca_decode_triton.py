@@ -26,9 +26,9 @@ def _next_pow2(n: int) -> int:
 def _decode_partial_kernel(
     Q, CK, CV, WK, WV, NCORE, POS, LO, ACC, ML,
     s_qb, s_qh, s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn,
-    scale, n_kv, W, core_per_split, win_per_split, n_splits,
+    scale, n_kv, W, core_per_split, win_per_split, n_splits, G, S,
     R: tl.constexpr, R_PAD: tl.constexpr, R_CORE: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DERIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -51,7 +51,13 @@ def _decode_partial_kernel(
     BN_C: tl.constexpr = BLOCK_N // R_CORE
     col_head = cols // BN_C
     col_tok = cols % BN_C
-    n_core = tl.load(NCORE + b).to(tl.int32)
+    t = tl.load(POS + b).to(tl.int32)
+    if DERIVE:  # CCA's own visibility: the complete groups before the local window, raw keys from the next group on
+        n_core = tl.maximum(t + 1 - S, 0) // G
+        lo = n_core * G
+    else:
+        n_core = tl.load(NCORE + b).to(tl.int32)
+        lo = tl.load(LO + b).to(tl.int32)
     c0 = split * core_per_split
     c1 = tl.minimum(c0 + core_per_split, n_core)
     for start in range(c0, c1, BN_C):
@@ -84,8 +90,6 @@ def _decode_partial_kernel(
         m_i = m_new
 
     # Raw ring slots [w0, w1): slot i holds position t - ((t - i) mod W); visible when >= lo.
-    t = tl.load(POS + b).to(tl.int32)
-    lo = tl.load(LO + b).to(tl.int32)
     w0 = split * win_per_split
     w1 = tl.minimum(w0 + win_per_split, W)
     for start in range(w0, w1, BLOCK_N):
@@ -132,8 +136,11 @@ def _decode_combine_kernel(ACC, ML, OUT, n_splits, S_PAD: tl.constexpr, D: tl.co
     tl.store(OUT + pid * D + dd, out.to(OUT.dtype.element_ty))
 
 
-def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale, num_splits=None, block_n=64):
-    """Same contract as ``cache_cca.cca_decode_attention_torch``: returns (B, H, d) in ``q.dtype``."""
+def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale, num_splits=None, block_n=64,
+                                group_size=None, local_window=None):
+    """Same contract as ``cache_cca.cca_decode_attention_torch``: returns (B, H, d) in ``q.dtype``. With ``n_core`` and
+    ``win_lo`` None the kernel derives them from ``pos``, ``group_size`` and ``local_window`` (CCA's visibility)."""
+    derive = n_core is None
     bsz, n_heads, head_dim = q.shape
     n_kv, window = win_k.shape[1], win_k.shape[2]
     n_core_slots = core_k.shape[2]
@@ -158,13 +165,13 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
     acc = torch.empty(bsz * n_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz * n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     _decode_partial_kernel[(bsz * n_kv, num_splits)](
-        q, core_k, core_v, win_k, win_v, n_core, pos, win_lo, acc, ml,
+        q, core_k, core_v, win_k, win_v, pos if derive else n_core, pos, pos if derive else win_lo, acc, ml,
         q.stride(0), q.stride(1), core_k.stride(0), core_k.stride(1), core_k.stride(2),
         core_v.stride(0), core_v.stride(1), core_v.stride(2), win_k.stride(0), win_k.stride(1), win_k.stride(2),
         win_v.stride(0), win_v.stride(1), win_v.stride(2),
-        scale, n_kv, window, core_per_split, win_per_split, num_splits,
+        scale, n_kv, window, core_per_split, win_per_split, num_splits, group_size or 1, local_window or 1,
         R=rep, R_PAD=max(16, _next_pow2(rep)), R_CORE=r_core, D=head_dim, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32, DERIVE=derive, num_warps=4,
     )
     out = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(bsz * n_heads,)](acc, ml, out, num_splits, S_PAD=_next_pow2(num_splits), D=head_dim, num_warps=4)
@@ -179,6 +186,7 @@ def _append_pool_kernel(
     s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn,
     scale, n_kv, W, G,
     R: tl.constexpr, R_P: tl.constexpr, D: tl.constexpr, G_P: tl.constexpr, QUERY_POOL: tl.constexpr,
+    ROTATED: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // n_kv).to(tl.int64)  # large batches: offsets past 2**31
@@ -188,21 +196,37 @@ def _append_pool_kernel(
     rot = (dd + HALF) % D
     sign = tl.where(dd < HALF, -1.0, 1.0)  # rotate_half(x)[d] = sign[d] * x[rot[d]]
     t = tl.load(SEEN + b).to(tl.int32)
-    real = tl.load(REAL + b) != 0
+    if HAS_REAL:
+        real = tl.load(REAL + b) != 0
+    else:
+        real = t >= 0
     c = tl.load(COS + b * s_cb + dd).to(tl.float32)
     s = tl.load(SIN + b * s_sb + dd).to(tl.float32)
     dt = WK.dtype.element_ty
 
-    k = tl.load(K + b * s_kb + j * s_kh + dd)
-    k_rot = (k.to(tl.float32) * c + tl.load(K + b * s_kb + j * s_kh + rot).to(tl.float32) * sign * s).to(dt)
+    k_in = tl.load(K + b * s_kb + j * s_kh + dd)
+    k_in_r = tl.load(K + b * s_kb + j * s_kh + rot)  # the same vector at rotate_half's indices
+    if ROTATED:  # post-RoPE q/k (the family's RoPE, attention scaling included): undo it for the pre-RoPE keys
+        c_r = tl.load(COS + b * s_cb + rot).to(tl.float32)
+        s_r = tl.load(SIN + b * s_sb + rot).to(tl.float32)
+        kf, kf_r = k_in.to(tl.float32), k_in_r.to(tl.float32)
+        k = ((kf * c - sign * kf_r * s) / (c * c + s * s)).to(K.dtype.element_ty)
+        k_r = ((kf_r * c_r + sign * kf * s_r) / (c_r * c_r + s_r * s_r)).to(K.dtype.element_ty)
+        k_rot = k_in.to(dt)
+    else:
+        k, k_r = k_in, k_in_r
+        k_rot = (k.to(tl.float32) * c + k_r.to(tl.float32) * sign * s).to(dt)
     v = tl.load(V + b * s_vb + j * s_vh + dd)
     rr = tl.arange(0, R_P)
     rmask = rr < R
     heads = j * R + rr
     qp = Q + b * s_qb + heads[:, None] * s_qh
-    q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * c[None, :]
-    q_rot += tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sign * s)[None, :]
-    q_rot = q_rot.to(QROT.dtype.element_ty)
+    if ROTATED:
+        q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(QROT.dtype.element_ty)
+    else:
+        q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * c[None, :]
+        q_rot += tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sign * s)[None, :]
+        q_rot = q_rot.to(QROT.dtype.element_ty)
     tl.store(QROT + b * n_kv * R * D + heads[:, None] * D + dd[None, :], q_rot, mask=rmask[:, None])
 
     lim = tl.where(real, D, 0)
@@ -232,7 +256,7 @@ def _append_pool_kernel(
         v_g = tl.where(cur, v[None, :], v_g).to(tl.float32)
         gp = GK + b * s_gb + j * s_gh + (gpos % G)[:, None] * s_gn
         kp_g = tl.where(cur, k[None, :], tl.load(gp + dd[None, :], mask=old[:, None], other=0.0)).to(tl.float32)
-        kq_g = tl.where(cur, tl.load(K + b * s_kb + j * s_kh + rot)[None, :], tl.load(gp + rot[None, :], mask=old[:, None], other=0.0))
+        kq_g = tl.where(cur, k_r[None, :], tl.load(gp + rot[None, :], mask=old[:, None], other=0.0))
         kq_g = kq_g.to(tl.float32) * sign[None, :]  # rotate_half of the pre-RoPE keys (RoPE is linear)
         logits = tl.sum(q_rot.to(tl.float32)[:, None, :] * kr_g[None, :, :], 2) * scale  # (R_P, G_P)
         gvalid = (gi < G)[None, :]
@@ -260,16 +284,19 @@ def _append_pool_kernel(
             tl.store(CV + b * s_cvb + j * s_cvh + slot * s_cvn + dd, vc.to(CV.dtype.element_ty))
 
 
-def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v, group_size, scale):
-    """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE;
-    ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not padding.
-    Writes ring slots and, where group ``seen // g`` completes, its core token. Returns RoPE'd ``q``."""
+def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v, group_size, scale,
+                             rotated=False):
+    """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE (``rotated``:
+    after the family's RoPE, as transformers' attention modules hand them over; the kernel undoes it for the
+    pre-RoPE keys pooling needs); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the
+    token is not padding (None: all are). Writes ring slots and, where group ``seen // g`` completes, its core token.
+    Returns RoPE'd ``q``."""
     bsz, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     rep = n_heads // n_kv
     q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
     q_rot = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
-    real = real.to(torch.int32)
+    real = seen if real is None else real.to(torch.int32)
     _append_pool_kernel[(bsz * n_kv,)](
         q, k, v, cos, sin, real, seen, q_rot, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
@@ -278,6 +305,6 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
         core_k.stride(0), core_k.stride(1), core_k.stride(2), core_v.stride(0), core_v.stride(1), core_v.stride(2),
         scale, n_kv, win_k.shape[2], group_size,
         R=rep, R_P=_next_pow2(rep), D=head_dim, G_P=_next_pow2(group_size), QUERY_POOL=core_k.shape[1] != n_kv,
-        num_warps=4,
+        ROTATED=rotated, HAS_REAL=real is not seen, num_warps=4,
     )
     return q_rot

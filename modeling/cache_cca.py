@@ -201,8 +201,15 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensors())
 
     # --- attention -------------------------------------------------------------------------------
-    def attend(self, q, k, v, cos, sin, attention_mask, scale):
-        """CCA attention of the new tokens (pre-RoPE q/k) against the cached state; updates the state."""
+    def decodes_rotated(self, q) -> bool:
+        """Whether this one-token step can take transformers' post-RoPE q/k as they are (the Triton decode kernels
+        undo RoPE themselves where pooling needs pre-RoPE keys: no un-rotation kernels per layer)."""
+        return (self.seen is not None and q.shape[2] == 1 and self.uses_decode_kernels(q.shape[-1])
+                and (q.is_cuda or self.force_triton))
+
+    def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
+        """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``) against
+        the cached state; updates the state."""
         mask = attention_mask[:, -q.shape[2] :].bool() if attention_mask is not None and attention_mask.dim() == 2 else None
         if self.seen is None:
             return self._prefill(q, k, v, cos, sin, mask, scale)
@@ -212,8 +219,11 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         # only when transformers announced a crop; a longer pass replaces the rings: references) and its inputs
         rollback = q.shape[2] <= ROLLBACK and (self.record_past or not one)
         undo = {"cols": self.cols, "state": self._state(clone=one)} if rollback else None
-        out = (self._decode if one else self._extend)(q, k, v, cos, sin, mask, scale)
-        if undo is not None:
+        if rotated:
+            out = self._decode(q, k, v, cos, sin, mask, scale, rotated=True)
+        else:
+            out = (self._decode if one else self._extend)(q, k, v, cos, sin, mask, scale)
+        if undo is not None:  # (a one-token pass is never re-run: crop keeps none or all of it)
             undo["inputs"] = (q, k, v, cos, sin, mask, scale)
         self._undo = undo
         return out
@@ -273,27 +283,29 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]
         self.seen, self.cols, self.max_seen = seen, cols, cols
 
-    def _decode(self, q, k, v, cos, sin, mask, scale):
+    def _decode(self, q, k, v, cos, sin, mask, scale, rotated=False):
         cfg = self.config
         g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
         bsz, _, _, head_dim = q.shape
         window = self.win_k.shape[2]
         t = self.seen  # position of the new token, per sequence
-        real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
-        use_triton = cca_decode_attention_triton is not None and cfg.attn_backend != "reference"
-        use_triton = use_triton and head_dim >= 16 and head_dim & (head_dim - 1) == 0  # kernel: d a power of 2 >= 16
-        if use_triton and (q.is_cuda or self.force_triton):
+        if self.uses_decode_kernels(head_dim) and (q.is_cuda or self.force_triton):
+            # a few launches per layer, all writes in place (a CUDA graph can replay the step: decode_graph.py)
             self._grow_core(self.max_seen // g + 1)
+            real = None if mask is None else mask[:, 0]
             q_rot = cca_decode_append_triton(
                 q[:, :, 0], k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0], real, t, self.win_k, self.win_v,
-                self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale,
+                self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale, rotated=rotated,
             )
-            n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
-            out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
-            self.seen.add_(real.to(t.dtype))  # in place: a captured step must write where the next one reads
+            out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v, t, None,
+                                              scale, group_size=g, local_window=s)
+            self.seen.add_(1 if real is None else real.to(t.dtype))  # in place: where the next (replayed) step reads
             self.cols += 1
             self.max_seen += 1
             return out[:, :, None]
+        if rotated:
+            raise RuntimeError("post-RoPE q/k reach CCA's decode only on the Triton path (see decodes_rotated)")
+        real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
         q_rot, k_rot = apply_rope(q, cos, sin)[:, :, 0], apply_rope(k, cos, sin)[:, :, 0]
         rows = torch.arange(bsz, device=q.device)
 
@@ -441,9 +453,14 @@ class CCACache(Cache):
         super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
         self.config = config
 
-    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale):
-        """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``) for layer ``layer_idx``."""
-        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale)
+    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False):
+        """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``; ``rotated``: post-RoPE, where
+        ``decodes_rotated``) for layer ``layer_idx``."""
+        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated)
+
+    def decodes_rotated(self, layer_idx, q) -> bool:
+        layer = self.layers[layer_idx]
+        return isinstance(layer, CCALayerCache) and layer.decodes_rotated(q)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -122,6 +122,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             return _sliding_attention(module, query, key, value, attention_mask, scaling, window), None
         out = full_causal_attention(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2), None
+    if isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query):  # a decode step: as given
+        out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling, rotated=True)
+        return out.transpose(1, 2), None
     q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
     if isinstance(cache, CCACache):
         out = cache.cca_attention(module.layer_idx, q, k, value, cos, sin, attention_mask, scaling)

@@ -223,6 +223,42 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b = kern.cca_decode_attention_triton(q, ck, cv, n_core, wk, wv, pos, lo, d**-0.5, num_splits=3, block_n=8)
         err = (a - b).abs().max().item()
         assert err < 1e-4, (B, H, Hkv, P, W, pooling, err)
+    # visibility derived in the kernel from the position (what the cache passes) == given explicitly
+    g, s = 4, 7
+    for pooling in ("kv", "query"):
+        B, H, Hkv, d, P, W = 3, 4, 2, 16, 30, s + g - 1
+        C = Hkv if pooling == "kv" else H
+        q, ck, cv = torch.randn(B, H, d), torch.randn(B, C, P, d), torch.randn(B, C, P, d)
+        wk, wv = torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, W, d)
+        pos = torch.tensor([0, 5, 99])
+        n_core = torch.div(pos + 1 - s, g, rounding_mode="floor").clamp_min(0)
+        a = cache_mod.cca_decode_attention_torch(q, ck, cv, n_core, wk, wv, pos, n_core * g, d**-0.5)
+        b = kern.cca_decode_attention_triton(q, ck, cv, None, wk, wv, pos, None, d**-0.5, num_splits=2, block_n=8,
+                                            group_size=g, local_window=s)
+        assert (a - b).abs().max().item() < 1e-4, pooling
+
+    # post-RoPE q/k (rotated=True, YaRN-like attention scaling in the tables) == pre-RoPE q/k: same cache, same q
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    for pooling, real in (("kv", None), ("query", torch.tensor([True, False, True]))):
+        B, H, Hkv, d, g, W = 3, 4, 2, 16, 4, 9
+        C = Hkv if pooling == "kv" else H
+        q, k, v = torch.randn(B, H, 1, d), torch.randn(B, Hkv, 1, d), torch.randn(B, Hkv, 1, d)
+        ang = torch.rand(B, 1, d // 2) * 6
+        cos, sin = (torch.cat((f(ang), f(ang)), -1) * 1.3 for f in (torch.cos, torch.sin))
+        q_post, k_post = apply_rotary_pos_emb(q, k, cos, sin)
+        seen = torch.tensor([7, 11, 3])  # groups 1 and 2 complete at 7 and 11: pooled
+        states = []
+        for rotated in (False, True):
+            torch.manual_seed(1)
+            st = [torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, g, d), torch.randn(B, d),
+                  torch.randn(B, d), torch.zeros(B, C, 4, d), torch.zeros(B, C, 4, d)]
+            qq, kk = (q_post, k_post) if rotated else (q, k)
+            q_rot = kern.cca_decode_append_triton(qq[:, :, 0], kk[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0], real,
+                                                  seen.clone(), *st, g, d**-0.5, rotated=rotated)
+            states.append([q_rot] + st)
+        for x, y in zip(*states):
+            assert (x - y).abs().max().item() < 1e-4, (pooling, (x - y).abs().max().item())
+        assert states[0][6].abs().sum() > 0  # a core token was pooled
 
     # The whole decode step (RoPE, ring writes, pooling kernel, attention kernel) inside a model,
     # with a left-padded row, against unpadded full forwards.
@@ -248,6 +284,26 @@ _INTERPRET_SCRIPT = textwrap.dedent(
             err1 = (logits[1:, 3:] - m(ids[1:, 3:], use_cache=False).logits).abs().max().item()
         assert max(err0, err1) < 2e-4, (pooling, g, s, err0, err1)
         assert cache.layers[0].core_k.shape[2] > 0
+
+    # the exported class (stock attention modules hand over post-RoPE q/k: the rotated decode path)
+    from tests.factories import cca_hf_model_from, tiny_base_model
+    base = tiny_base_model("llama", max_position_embeddings=128, pad_token_id=0)
+    for pooling in ("kv", "query"):
+        m = cca_hf_model_from(base, group_size=3, local_window=4, pooling=pooling, attn_backend="auto")
+        ids = torch.randint(3, 96, (2, 20))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        with torch.no_grad():
+            out = m(ids[:, :9], attention_mask=mask[:, :9], use_cache=True)
+            cache, logits = out.past_key_values, [out.logits]
+            for i in range(9, 20):
+                assert cache.decodes_rotated(0, torch.zeros(2, 4, 1, 16))
+                out = m(ids[:, i : i + 1], past_key_values=cache, attention_mask=mask[:, : i + 1], use_cache=True)
+                logits.append(out.logits)
+            full = m(ids, attention_mask=mask, use_cache=False).logits
+        err = max((torch.cat(logits, 1)[0] - full[0]).abs().max().item(),
+                  (torch.cat(logits, 1)[1, 4:] - full[1, 4:]).abs().max().item())
+        assert err < 2e-4, (pooling, err)
     print("interpret ok")
     """
 )
