@@ -56,15 +56,19 @@ class DecodeGraphs:
         with torch.cuda.stream(self.stream):
             logits = forward(ids, positions)
         torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
-        counters = cache.host_counters()
+        counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
         graph = torch.cuda.CUDAGraph()
         try:
+            # A layer that syncs with the host (data-dependent MoE routing) cannot be captured: raise before the sync
+            # reaches the capturing stream (which would invalidate it), so the capture ends cleanly.
+            torch.cuda.set_sync_debug_mode("error")
             with torch.cuda.graph(graph, stream=self.stream):
                 static_logits = forward(ids, positions)
-        except Exception as error:  # e.g. a layer that syncs with the host (data-dependent MoE routing)
+        except Exception as error:
             self.failure = f"{type(error).__name__}: {error}"
             return logits
         finally:
+            torch.cuda.set_sync_debug_mode(sync_mode)
             cache.set_host_counters(counters)  # capture ran the Python but none of the kernels
         self.captured[input_ids.shape[0]] = _Captured(graph, ids, positions, static_logits, tensors)
         self.unreplayed += 1

@@ -17,7 +17,7 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert [(r["context"], r["batch"]) for r in rows] == [(70, 1), (70, 2)]
     for row in rows:
-        assert set(row["cells"]) == {"cca", "full", "full-static"}
+        assert set(row["cells"]) == {"cca", "cca-eager", "full", "full-static"}
         for cell in row["cells"].values():
             assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
