@@ -50,7 +50,9 @@ Requirements: `transformers>=5.17` and `torch>=2.11` (older transformers cannot 
 `triton` on CUDA only. On CUDA the attention runs as a Triton kernel (`pip install triton`); elsewhere a
 PyTorch reference implementation is used (`cca_attn_backend="triton"` without a GPU is an error that says so).
 `cca_attn_backend="full"` at load time runs plain causal attention with the same weights, for A/B comparisons;
-`attn_implementation="sdpa"` runs the base model's own attention.
+`attn_implementation="sdpa"` runs the base model's own attention. On CUDA, `generate()` replays each one-token decode
+step from a CUDA graph (captured on the first step, again when the cache's buffers change); `cca_cuda_graphs=False` at
+load time decodes eagerly.
 
 {extra}
 ## Recipe
