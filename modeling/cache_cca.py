@@ -30,6 +30,7 @@ host-side counters (``cols``, ``max_seen``) are advanced outside the replay (``a
 """
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .attention_cca import cca_attention, left_padding, shift_rows
@@ -43,6 +44,7 @@ except ImportError:  # triton is optional
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
+EXTEND_BLOCK = 2048  # queries per attention call of a chunked-prefill pass (bounds its visibility mask)
 ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
 
 
@@ -396,27 +398,20 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         ring_ok = (slot_pos[:, None, :] >= lo[..., None]) & (slot_pos[:, None, :] >= 0)
         chunk_ok = (col[None, None, :] <= col[None, :, None]) & (pos[:, None, :] >= lo[..., None]) & real[:, None, :]
         chunk_ok = chunk_ok | (~real[..., None] & (col[None, None, :] == col[None, :, None]))  # pad queries: one key
-        ok = torch.cat((core_old_ok, core_new_ok, ring_ok, chunk_ok), -1)[:, None, None]  # (B,1,1,q,K)
+        ok = torch.cat((core_old_ok, core_new_ok, ring_ok, chunk_ok), -1)[:, None]  # (B, 1, q, K)
 
-        qf = q_rot.float().view(bsz, n_kv, rep, q_len, head_dim)
+        def per_head(x):  # (B, C, n, d) -> (B, H, n, d): pooling "kv" shares a KV head's keys among its r heads
+            return (x if x.shape[1] == n_heads else x.repeat_interleave(rep, 1)).to(q.dtype)
 
-        def scores(keys):  # keys (B, C, n, d) -> (B, Hkv, r, q, n)
-            if keys.shape[1] == n_kv:
-                return torch.einsum("bjrqd,bjnd->bjrqn", qf, keys.float())
-            return torch.einsum("bjrqd,bjrnd->bjrqn", qf, keys.float().view(bsz, n_kv, rep, -1, head_dim))
-
-        sc = torch.cat([scores(x) for x in (self.core_k, new_ck, self.win_k, k_rot)], -1) * scale
-        probs = sc.masked_fill(~ok, float("-inf")).softmax(-1)
-        out = 0
-        start = 0
-        for vals in (self.core_v, new_cv, self.win_v, v):
-            n = vals.shape[2]
-            p = probs[..., start : start + n]
-            if vals.shape[1] == n_kv:
-                out = out + torch.einsum("bjrqn,bjnd->bjrqd", p, vals.float())
-            else:
-                out = out + torch.einsum("bjrqn,bjrnd->bjrqd", p, vals.float().view(bsz, n_kv, rep, -1, head_dim))
-            start += n
+        keys = torch.cat([per_head(x) for x in (self.core_k, new_ck, self.win_k, k_rot)], 2)
+        vals = torch.cat([per_head(x) for x in (self.core_v, new_cv, self.win_v, v)], 2)
+        q_rot = q_rot.to(q.dtype)
+        # SDPA with the visibility as a boolean mask (memory-efficient kernel on CUDA), in query blocks that bound
+        # the mask: no (queries x keys) fp32 score tensor (an 8K chunk at 128K would need ~19 GB of them)
+        out = torch.cat([
+            F.scaled_dot_product_attention(q_rot[:, :, i : i + EXTEND_BLOCK], keys, vals,
+                                           attn_mask=ok[:, :, i : i + EXTEND_BLOCK], scale=scale)
+            for i in range(0, q_len, EXTEND_BLOCK)], 2)
         out = out.reshape(bsz, n_heads, q_len, head_dim).to(q.dtype)
         if lead is not None:  # back to the caller's column order; pad columns give zeros
             out = torch.where(real[:, None, :, None], out, torch.zeros_like(out))
