@@ -21,8 +21,9 @@ indexed by that sequence's own positions. Pad columns (``attention_mask == 0``) 
 never pooled and never keys. ``get_seq_length()`` counts columns, pads included, as ``generate()`` expects.
 
 The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
-the compressed state; later calls run the decode kernel (one token) or exact torch math over
-``[core tokens ++ ring ++ new chunk]`` (chunked prefill), pooling groups as they complete.
+the compressed state; later calls run the decode kernels (one token) or SDPA over
+``[core tokens ++ ring ++ new chunk]`` with a per-query visibility mask (chunked prefill), pooling groups as they
+complete.
 
 A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
 ``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``decode_tensors``); the
@@ -206,8 +207,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def decodes_rotated(self, q) -> bool:
         """Whether this one-token step can take transformers' post-RoPE q/k as they are (the Triton decode kernels
         undo RoPE themselves where pooling needs pre-RoPE keys: no un-rotation kernels per layer)."""
-        return (self.seen is not None and q.shape[2] == 1 and self.uses_decode_kernels(q.shape[-1])
-                and (q.is_cuda or self.force_triton))
+        return self.seen is not None and q.shape[2] == 1 and self._on_kernels(q)
 
     def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``) against
@@ -235,6 +235,9 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         cfg = self.config
         return (cca_decode_attention_triton is not None and cfg.attn_backend in ("auto", "triton")
                 and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+    def _on_kernels(self, q) -> bool:
+        return self.uses_decode_kernels(q.shape[-1]) and (q.is_cuda or self.force_triton)
 
     def reserve(self, steps: int):
         """Core capacity for the next ``steps`` one-token steps; when short, GRAPH_RESERVE more tokens' worth at once
@@ -291,7 +294,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         bsz, _, _, head_dim = q.shape
         window = self.win_k.shape[2]
         t = self.seen  # position of the new token, per sequence
-        if self.uses_decode_kernels(head_dim) and (q.is_cuda or self.force_triton):
+        if self._on_kernels(q):
             # a few launches per layer, all writes in place (a CUDA graph can replay the step: decode_graph.py)
             self._grow_core(self.max_seen // g + 1)
             real = None if mask is None else mask[:, 0]
@@ -346,7 +349,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return out
 
     def _extend(self, q, k, v, cos, sin, mask, scale):
-        """A chunk of several tokens after a prefill: exact torch math (no full-length state kept)."""
+        """A chunk of several tokens after a prefill: exact, from the compressed state (no full-length state kept)."""
         cfg = self.config
         g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
         bsz, n_heads, q_len, head_dim = q.shape

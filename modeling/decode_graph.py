@@ -9,9 +9,6 @@ captured Python code advanced once are put back, and advanced by the caller at e
 """
 
 import torch
-from transformers.utils import logging
-
-logger = logging.get_logger(__name__)
 
 
 class _Captured:
