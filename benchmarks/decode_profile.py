@@ -59,17 +59,28 @@ def main():
               f"{total / 1e3:.2f} ms of kernel time ({count / args.layers:.1f} kernels per layer)")
         for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]:
             print(f"  {us / 1e3:7.3f} ms  {n:5d}x  {name[:110]}")
-        for _ in range(3):
-            step(True)  # eager warm-up + capture, then replays
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            step(True)
-        end.record()
-        torch.cuda.synchronize()
-        print(f"graph replay: {start.elapsed_time(end) / 20:.3f} ms/step "
-              f"({cache.decode_graphs.replays} replays, failure: {cache.decode_graphs.failure})")
-
+        for compiled in (False, True):  # graphs of the stock modules, then of their torch.compile twins
+            model.config.cca_compile_decode = compiled
+            cache.__dict__.pop("decode_graphs", None)  # capture anew
+            for _ in range(3):
+                step(True)  # eager warm-up + capture, then replays
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step(True)
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                step(True)
+            end.record()
+            torch.cuda.synchronize()
+            fused = getattr(model, "_fused_modules", None)
+            print(f"graph replay, compiled norms/MLPs {'on' if compiled else 'off'}: "
+                  f"{start.elapsed_time(end) / 20:.3f} ms/step, {len(kernels)} kernels "
+                  f"({sum(e.device_time_total for e in kernels) / 1e3:.2f} ms) in a profiled replay "
+                  f"({cache.decode_graphs.replays} replays, failure: {cache.decode_graphs.failure}, "
+                  f"compile failure: {fused.failure if fused else None})")
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,8 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
 - a forward pre-hook on every attention module keeps the layer's ``position_embeddings`` and cache for that
   function (transformers passes neither to attention functions);
 - ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``), and on CUDA
-  replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off).
+  replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off),
+  captured with ``torch.compile``'d norms and MLPs (``cca_compile_decode=False``: captured as they are).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
@@ -31,7 +32,7 @@ from transformers.utils import logging
 from .attention_hooks import MethodModelMixin, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import CCACache, CCALayerCache
-from .decode_graph import DecodeGraphs
+from .decode_graph import DecodeGraphs, FusedModules
 
 logger = logging.get_logger(__name__)
 
@@ -58,9 +59,10 @@ def check_settings(config):
         value = getattr(config, f"cca_{name}", DEFAULTS[name])
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"cca_{name} must be an integer >= 1, got {value!r}")
-    graphs = getattr(config, "cca_cuda_graphs", True)
-    if not isinstance(graphs, bool):
-        raise ValueError(f"cca_cuda_graphs must be true or false, got {graphs!r}")
+    for name in ("cuda_graphs", "compile_decode"):
+        value = getattr(config, f"cca_{name}", True)
+        if not isinstance(value, bool):
+            raise ValueError(f"cca_{name} must be true or false, got {value!r}")
     for name, choices in CHOICES.items():
         value = getattr(config, f"cca_{name}", DEFAULTS[name])
         if value not in choices:
@@ -205,8 +207,15 @@ class CCAModelMixin(MethodModelMixin):
         def step(input_ids, position_ids):
             return parent(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True).logits
 
+        fused = None
+        if getattr(self.config, "cca_compile_decode", True):
+            fused = getattr(self, "_fused_modules", None)
+            if fused is None:
+                fused = self._fused_modules = FusedModules(self)
         graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
-        logits = graphs.step(step, cache, ids, positions)
+        logits = graphs.step(step, cache, ids, positions, fused)
+        if fused is not None and fused.failure:
+            logger.warning_once(f"compiled norms/MLPs are off for CUDA-graph decoding: {fused.failure}")
         if graphs.failure:
             self._graph_failure = graphs.failure
             logger.warning_once(f"CUDA-graph decoding is off for this model: capturing a step failed "

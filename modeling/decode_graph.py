@@ -6,9 +6,61 @@ the cache's state tensors are the same objects it was captured with (the cache d
 ``decode_tensors``); anything that replaces one (a prefill, a multi-token pass, a crop, beam reordering, the core
 outgrowing its reserve) makes the next step eager and the step after it captured anew. Host-side counters the
 captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
+
+While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
+transformers' own modules (``FusedModules``): one fused kernel where eager code launches one per elementwise op.
+Prefill, training and eager steps keep the stock code.
 """
 
+from contextlib import contextmanager, nullcontext
+
 import torch
+
+
+def _fusable(model):
+    """The stock modules whose decode-step work is mostly elementwise launches: RMS norms, dense MLPs."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm") or (kind.endswith("MLP") and name.endswith(".mlp")):
+            yield module
+
+
+class FusedModules:
+    """``torch.compile``'d twins of a model's norms and dense MLPs (regional compilation: one compiled graph per
+    module class and shape, shared by all layers), switched on only inside ``active()``. A twin that fails to
+    compile or run makes every module eager again (they are pure functions, so the call is simply redone)."""
+
+    def __init__(self, model):
+        self.modules = list(_fusable(model))
+        self.failure = None
+        self._calls = {}
+
+    def _call(self, module):
+        # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
+        compiled = torch.compile(module._call_impl, dynamic=False, fullgraph=True,
+                                 options={"emulate_precision_casts": True})
+
+        def call(*args, **kwargs):
+            if self.failure is None:
+                try:
+                    return compiled(*args, **kwargs)
+                except Exception as error:
+                    self.failure = f"{type(error).__name__}: {error}"
+            return module._call_impl(*args, **kwargs)
+
+        return call
+
+    @contextmanager
+    def active(self):
+        touched = [m for m in self.modules if m._compiled_call_impl is None]  # a user's own compile stays
+        if self.failure is None:
+            for module in touched:
+                module._compiled_call_impl = self._calls.setdefault(module, self._call(module))
+        try:
+            yield
+        finally:
+            for module in touched:
+                module._compiled_call_impl = None
 
 
 class _Captured:
@@ -29,9 +81,9 @@ class DecodeGraphs:
         self.replays = 0
         self.unreplayed = 0  # captures not replayed since (beam search reorders the cache every step: stop capturing)
 
-    def step(self, forward, cache, input_ids, position_ids):
+    def step(self, forward, cache, input_ids, position_ids, fused: FusedModules | None = None):
         """Logits of ``forward(input_ids, position_ids)`` (one token per row), replayed from a graph when one matches
-        the cache's state; otherwise run eagerly and captured for the next step."""
+        the cache's state; otherwise run eagerly and captured for the next step (with ``fused``'s twins active)."""
         tensors = cache.decode_tensors(steps=2)  # this step and, if it is captured now, the first replay
         entry = self.captured.get(input_ids.shape[0])
         if entry is not None and entry.matches(tensors):
@@ -48,9 +100,10 @@ class DecodeGraphs:
         if self.stream is None:
             self.stream = torch.cuda.Stream(input_ids.device)
         ids, positions = input_ids.clone(), position_ids.clone()
+        twins = fused.active if fused is not None else nullcontext
         # Warm-up on the capture stream (kernels compiled, libraries' lazy state set up) is a real step.
         self.stream.wait_stream(torch.cuda.current_stream(input_ids.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), twins():
             logits = forward(ids, positions)
         torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
         counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
@@ -59,7 +112,7 @@ class DecodeGraphs:
             # A layer that syncs with the host (data-dependent MoE routing) cannot be captured: raise before the sync
             # reaches the capturing stream (which would invalidate it), so the capture ends cleanly.
             torch.cuda.set_sync_debug_mode("error")
-            with torch.cuda.graph(graph, stream=self.stream):
+            with torch.cuda.graph(graph, stream=self.stream), twins():
                 static_logits = forward(ids, positions)
         except Exception as error:
             self.failure = f"{type(error).__name__}: {error}"

@@ -34,6 +34,8 @@ def test_cuda_graphs_option_is_checked():
     base = tiny_base_model("llama")
     with pytest.raises(ValueError, match="cca_cuda_graphs must be true or false"):
         cca_hf_model_from(base, cuda_graphs="yes")
+    with pytest.raises(ValueError, match="cca_compile_decode must be true or false"):
+        cca_hf_model_from(base, compile_decode=1)
 
 
 @pytest.mark.gpu
@@ -48,6 +50,9 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
     graphed, cache = _generate(model, True, x, mask, max_new_tokens=90)
     graphs = cache.decode_graphs
     assert graphs.failure is None and graphs.replays >= 60, (graphs.failure, graphs.replays)
+    fused = model._fused_modules  # the steps were captured with the compiled norms and MLPs
+    layers = model.config.num_hidden_layers  # two norms and an MLP each, and the final norm
+    assert fused.failure is None and len(fused.modules) == 3 * layers + 1, [type(m).__name__ for m in fused.modules]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), **tol)
     if dtype == torch.float32:
@@ -59,9 +64,11 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "stock"])
 @torch.no_grad()
-def test_gpu_graphs_follow_new_caches_batch_sizes_and_beam_search():
+def test_gpu_graphs_follow_new_caches_batch_sizes_and_beam_search(compile_decode):
     model = _model(torch.float32)
+    model.config.cca_compile_decode = compile_decode
     for bsz, length in ((1, 20), (4, 9), (1, 50)):  # a new cache (and batch size) each time: captured anew
         x, mask = _prompt(bsz, length)
         eager, _ = _generate(model, False, x, mask, max_new_tokens=30)
