@@ -59,7 +59,7 @@ def main():
               f"{total / 1e3:.2f} ms of kernel time ({count / args.layers:.1f} kernels per layer)")
         for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]:
             print(f"  {us / 1e3:7.3f} ms  {n:5d}x  {name[:110]}")
-        for compiled in (False, True):  # graphs of the stock modules, then of their torch.compile twins
+        for compiled in (False, True):  # graphs of the stock code, then of its torch.compile twins
             model.config.cca_compile_decode = compiled
             cache.__dict__.pop("decode_graphs", None)  # capture anew
             for _ in range(3):
@@ -76,7 +76,7 @@ def main():
             end.record()
             torch.cuda.synchronize()
             fused = getattr(model, "_fused_modules", None)
-            print(f"graph replay, compiled norms/MLPs {'on' if compiled else 'off'}: "
+            print(f"graph replay, compiled twins (norms, MLPs, RoPE) {'on' if compiled else 'off'}: "
                   f"{start.elapsed_time(end) / 20:.3f} ms/step, {len(kernels)} kernels "
                   f"({sum(e.device_time_total for e in kernels) / 1e3:.2f} ms) in a profiled replay "
                   f"({cache.decode_graphs.replays} replays, failure: {cache.decode_graphs.failure}, "

@@ -256,7 +256,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def _prefill(self, q, k, v, cos, sin, mask, scale):
         cfg = self.config
         bsz, _, seq_len, _ = q.shape
-        g, window = cfg.group_size, cfg.local_window + cfg.group_size - 1
+        window = cfg.local_window + cfg.group_size - 1
         cos, sin = cos.expand(bsz, -1, -1), sin.expand(bsz, -1, -1)
         n_pad = left_padding(mask)
         if n_pad is not None:  # real tokens first, as in the no-cache path

@@ -7,11 +7,12 @@ the cache's state tensors are the same objects it was captured with (the cache d
 outgrowing its reserve) makes the next step eager and the step after it captured anew. Host-side counters the
 captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
 
-While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
-transformers' own modules (``FusedModules``): one fused kernel where eager code launches one per elementwise op.
+While a step is warmed up and captured, the model's norms, dense MLPs and RoPE run as ``torch.compile`` twins of
+transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op.
 Prefill, training and eager steps keep the stock code.
 """
 
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -25,20 +26,28 @@ def _fusable(model):
             yield module
 
 
+def _rope_families(model):
+    """The modeling files whose attention modules call their module-level ``apply_rotary_pos_emb`` (~10 launches)."""
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    files = {sys.modules[type(m).__module__] for m in attention}
+    return [f for f in files if callable(getattr(f, "apply_rotary_pos_emb", None))]
+
+
 class FusedModules:
-    """``torch.compile``'d twins of a model's norms and dense MLPs (regional compilation: one compiled graph per
-    module class and shape, shared by all layers), switched on only inside ``active()``. A twin that fails to
-    compile or run makes every module eager again (they are pure functions, so the call is simply redone)."""
+    """``torch.compile``'d twins of a model's norms, dense MLPs and RoPE function, switched on only inside
+    ``active()`` (regional compilation: one compiled graph per module class and shape, shared by all layers). The
+    RoPE twin stands in for the modeling file's ``apply_rotary_pos_emb`` while active. A twin that fails to compile
+    or run makes every twin eager again: they are pure functions, so the call is simply redone."""
 
     def __init__(self, model):
         self.modules = list(_fusable(model))
+        self.families = _rope_families(model)
         self.failure = None
-        self._calls = {}
+        self._twins = {}
 
-    def _call(self, module):
+    def _twin(self, fn):
         # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
-        compiled = torch.compile(module._call_impl, dynamic=False, fullgraph=True,
-                                 options={"emulate_precision_casts": True})
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
 
         def call(*args, **kwargs):
             if self.failure is None:
@@ -46,21 +55,33 @@ class FusedModules:
                     return compiled(*args, **kwargs)
                 except Exception as error:
                     self.failure = f"{type(error).__name__}: {error}"
-            return module._call_impl(*args, **kwargs)
+            return fn(*args, **kwargs)
 
         return call
 
+    def _get(self, key, fn):
+        if key not in self._twins:
+            self._twins[key] = self._twin(fn)
+        return self._twins[key]
+
     @contextmanager
     def active(self):
-        touched = [m for m in self.modules if m._compiled_call_impl is None]  # a user's own compile stays
-        if self.failure is None:
-            for module in touched:
-                module._compiled_call_impl = self._calls.setdefault(module, self._call(module))
+        if self.failure is not None:
+            yield
+            return
+        modules = [m for m in self.modules if m._compiled_call_impl is None]  # a user's own compile stays
+        ropes = [(f, f.apply_rotary_pos_emb) for f in self.families]
         try:
+            for module in modules:
+                module._compiled_call_impl = self._get(module, module._call_impl)
+            for family, rope in ropes:
+                family.apply_rotary_pos_emb = self._get(family, rope)
             yield
         finally:
-            for module in touched:
+            for module in modules:
                 module._compiled_call_impl = None
+            for family, rope in ropes:
+                family.apply_rotary_pos_emb = rope
 
 
 class _Captured:

@@ -9,9 +9,9 @@ from cca_convert import published
 from tests.factories import cca_hf_model_from, tiny_base_model
 
 
-def _model(dtype, pooling="kv", family="llama", **overrides):
+def _model(dtype, pooling="kv", family="llama", device="cuda", **overrides):
     base = tiny_base_model(family, max_position_embeddings=1024, pad_token_id=0, eos_token_id=2, **overrides)
-    return cca_hf_model_from(base, group_size=4, local_window=8, pooling=pooling, attn_backend="auto").to("cuda", dtype)
+    return cca_hf_model_from(base, group_size=4, local_window=8, pooling=pooling, attn_backend="auto").to(device, dtype)
 
 
 def _prompt(bsz, length, pads=()):
@@ -36,6 +36,46 @@ def test_cuda_graphs_option_is_checked():
         cca_hf_model_from(base, cuda_graphs="yes")
     with pytest.raises(ValueError, match="cca_compile_decode must be true or false"):
         cca_hf_model_from(base, compile_decode=1)
+
+
+@torch.no_grad()
+def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeypatch):
+    """The captured step's compiled twins (norms, MLPs, the modeling file's RoPE function): a twin that fails is
+    redone eagerly (same output), turns every twin off, and leaving ``active()`` restores the stock code."""
+    import sys
+
+    decode_graph = published.load("decode_graph")
+    model = _model(torch.float32, device="cpu")
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    stock_rope, own = family.apply_rotary_pos_emb, object()
+    model.model.norm._compiled_call_impl = own  # a user's own compile is left alone
+    fused = decode_graph.FusedModules(model)
+    assert len(fused.modules) == 3 * model.config.num_hidden_layers + 1 and fused.families == [family]
+    calls = []
+
+    def broken_compile(fn, **options):
+        def run(*args, **kwargs):
+            calls.append(fn)
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(decode_graph.torch, "compile", broken_compile)
+    x = torch.randint(3, 96, (2, 11))
+    model.model.norm._compiled_call_impl = None
+    expected = model(x, use_cache=False).logits
+    model.model.norm._compiled_call_impl = own
+    with fused.active():
+        assert family.apply_rotary_pos_emb is not stock_rope
+        assert model.model.norm._compiled_call_impl is own
+        model.model.norm._compiled_call_impl = None  # (so that this forward can run)
+        got = model(x, use_cache=False).logits
+        model.model.norm._compiled_call_impl = own
+    assert len(calls) == 1 and fused.failure == "RuntimeError: no compiler here"
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert family.apply_rotary_pos_emb is stock_rope and model.model.norm._compiled_call_impl is own
+    assert all(m._compiled_call_impl is None for m in fused.modules if m is not model.model.norm)
+    with fused.active():  # after a failure: the stock code
+        assert family.apply_rotary_pos_emb is stock_rope and model.model.layers[0].mlp._compiled_call_impl is None
 
 
 @pytest.mark.gpu

@@ -5,7 +5,6 @@ inside verification passes, and the prompt is longer than the window."""
 
 import pytest
 import torch
-import transformers
 
 from tests.factories import cca_hf_model_from, tiny_base_model
 
