@@ -225,6 +225,8 @@ def model_rows(lengths, new_tokens):
 
             timed_generate(model, ids[:, :1024], 4)  # warm-up: compiles the kernels
             row[name] = timed_generate(model, ids, new_tokens)
+            print(f"  L={L} {name}: prefill {row[name]['prefill_s']:.1f}s, {row[name]['ms_per_token']:.1f} ms/token",
+                  flush=True)
             torch.cuda.empty_cache()
         rows.append(row)
     model.config._attn_implementation = "dca"
