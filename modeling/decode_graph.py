@@ -12,6 +12,7 @@ transformers' own code (``FusedModules``): one fused kernel where eager code lau
 Prefill, training and eager steps keep the stock code.
 """
 
+import functools
 import sys
 from contextlib import contextmanager, nullcontext
 
@@ -19,11 +20,15 @@ import torch
 
 
 def _fusable(model):
-    """The stock modules whose decode-step work is mostly elementwise launches: RMS norms, dense MLPs."""
+    """The stock modules whose decode-step work is mostly elementwise launches: RMS norms, dense MLPs; not those
+    with hooks or a patched ``forward`` (accelerate's offloading), which a compiled class ``forward`` would skip."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind.endswith("RMSNorm") or (kind.endswith("MLP") and name.endswith(".mlp")):
-            yield module
+        if not (kind.endswith("RMSNorm") or (kind.endswith("MLP") and name.endswith(".mlp"))):
+            continue
+        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+            continue
+        yield module
 
 
 def _rope_families(model):
@@ -35,9 +40,12 @@ def _rope_families(model):
 
 class FusedModules:
     """``torch.compile``'d twins of a model's norms, dense MLPs and RoPE function, switched on only inside
-    ``active()`` (regional compilation: one compiled graph per module class and shape, shared by all layers). The
-    RoPE twin stands in for the modeling file's ``apply_rotary_pos_emb`` while active. A twin that fails to compile
-    or run makes every twin eager again: they are pure functions, so the call is simply redone."""
+    ``active()``. One twin per function (a module class's ``forward``, the modeling file's ``apply_rotary_pos_emb``,
+    which it stands in for while active), shared by all layers: Dynamo compiles it once per shape (batch size).
+    A twin that fails to compile or run makes every twin eager again: they are pure functions, so the call is simply
+    redone."""
+
+    RECOMPILES = 64  # shapes per twin (Qwen3's RMSNorm forward sees 3 per batch size: hidden, q-norm, k-norm)
 
     def __init__(self, model):
         self.modules = list(_fusable(model))
@@ -46,23 +54,21 @@ class FusedModules:
         self._twins = {}
 
     def _twin(self, fn):
-        # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
-        compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+        if fn not in self._twins:
+            # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
 
-        def call(*args, **kwargs):
-            if self.failure is None:
-                try:
-                    return compiled(*args, **kwargs)
-                except Exception as error:
-                    self.failure = f"{type(error).__name__}: {error}"
-            return fn(*args, **kwargs)
+            def call(*args, **kwargs):
+                if self.failure is None:
+                    try:
+                        with torch._dynamo.config.patch(recompile_limit=self.RECOMPILES):
+                            return compiled(*args, **kwargs)
+                    except Exception as error:
+                        self.failure = f"{type(error).__name__}: {error}"
+                return fn(*args, **kwargs)
 
-        return call
-
-    def _get(self, key, fn):
-        if key not in self._twins:
-            self._twins[key] = self._twin(fn)
-        return self._twins[key]
+            self._twins[fn] = call
+        return self._twins[fn]
 
     @contextmanager
     def active(self):
@@ -73,9 +79,9 @@ class FusedModules:
         ropes = [(f, f.apply_rotary_pos_emb) for f in self.families]
         try:
             for module in modules:
-                module._compiled_call_impl = self._get(module, module._call_impl)
+                module._compiled_call_impl = functools.partial(self._twin(type(module).forward), module)
             for family, rope in ropes:
-                family.apply_rotary_pos_emb = self._get(family, rope)
+                family.apply_rotary_pos_emb = self._twin(rope)
             yield
         finally:
             for module in modules:

@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# Set before torch loads Inductor, so that xdist workers compiling the decode step's twins do not each start a pool of
+# compile subprocesses (a full GPU run went past 600 s once the twins came in; 14 workers x 16 compilers).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.hub_server import configure_hf_client, hub_server  # noqa: F401  (fixture for all tests)
 

@@ -2,6 +2,8 @@
 what eager steps give: same scores, same tokens, across re-captures (the core outgrowing its reserve), left padding,
 batch sizes, a second generate() and beam search (which reorders the cache every step)."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -78,6 +80,24 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
         assert family.apply_rotary_pos_emb is stock_rope and model.model.layers[0].mlp._compiled_call_impl is None
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="Inductor on a CPU needs a C++ compiler")
+@torch.no_grad()
+def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_limit():
+    """Real Inductor twins on a CPU: Qwen3's RMSNorm forward sees three shapes per batch size (hidden, q-norm, k-norm),
+    12 over four batch sizes, past Dynamo's default recompile limit (8), which would turn the twins off; they give
+    the stock code's numbers."""
+    decode_graph = published.load("decode_graph")
+    model = _model(torch.bfloat16, family="qwen3", device="cpu")
+    fused = decode_graph.FusedModules(model)
+    for bsz in range(1, 5):
+        x = torch.randint(3, 96, (bsz, 9), generator=torch.Generator().manual_seed(bsz))
+        expected = model(x, use_cache=False).logits
+        with fused.active():
+            got = model(x, use_cache=False).logits
+        assert fused.failure is None, fused.failure
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pooling", ["kv", "query"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -119,3 +139,18 @@ def test_gpu_graphs_follow_new_caches_batch_sizes_and_beam_search(compile_decode
     eager, _ = _generate(model, False, x, mask, max_new_tokens=12, num_beams=3)
     graphed, cache = _generate(model, True, x, mask, max_new_tokens=12, num_beams=3)
     assert torch.equal(graphed.sequences, eager.sequences)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_twins_survive_many_batch_sizes_of_a_q_k_norm_family():
+    """Qwen3's RMSNorm forward sees three shapes per batch size (hidden, q-norm, k-norm): past Dynamo's default
+    recompile limit after three batch sizes; the twins raise it and stay on."""
+    model = _model(torch.float32, family="qwen3")
+    for bsz in range(1, 7):
+        x, mask = _prompt(bsz, 13)
+        eager, _ = _generate(model, False, x, mask, max_new_tokens=12)
+        graphed, cache = _generate(model, True, x, mask, max_new_tokens=12)
+        assert cache.decode_graphs.replays >= 8 and cache.decode_graphs.failure is None
+        assert torch.equal(graphed.sequences, eager.sequences)
+    assert model._fused_modules.failure is None
