@@ -17,8 +17,9 @@ Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``:
 - ``floor``: the bytes one decode step must read (every weight but the input embedding, plus the cache at context L)
   over the GPU's memory bandwidth; "% floor" = floor / measured.
 
-Long prompts are prefilled in chunks (``--prefill-chunk``, transformers' ``prefill_chunk_size``) for every row, so
-that batch x context fits in activation memory. A cell that runs out of memory prints OOM.
+Long prompts are prefilled in chunks (transformers' ``prefill_chunk_size``) for every row, so that batch x context
+fits in activation memory: ``--prefill-chunk`` tokens per row, fewer for large batches so that one chunk holds at
+most ``--prefill-tokens`` (batch 64: 1024 per row). A cell that runs out of memory prints OOM.
 
     python benchmarks/decode.py --out benchmarks/results/decode-h200                      # 8K/32K/128K x 1/16/64
     python benchmarks/decode.py --contexts 131072 --batches 64 --backends cca             # one expensive cell
@@ -94,11 +95,17 @@ def floor_ms(model, backend, context, batch, bandwidth) -> float:
     return (weights + (cache_cca if backend.startswith("cca") else cache_full)) / bandwidth * 1e3
 
 
+def prefill_chunk(args, batch: int) -> int:
+    """Tokens per row in one prefill chunk: ``--prefill-chunk``, fewer where ``batch`` rows would pass
+    ``--prefill-tokens`` (generate()'s chunk activations grow with batch x chunk)."""
+    return min(args.prefill_chunk, max(1, args.prefill_tokens // batch))
+
+
 def run_cell(model, backend, context, batch, args) -> dict:
     device = torch.device(args.device)
     gen = torch.Generator(device="cpu").manual_seed(context + batch)
     ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
-    kwargs = {"prefill_chunk_size": args.prefill_chunk}
+    kwargs = {"prefill_chunk_size": prefill_chunk(args, batch)}
     if backend == "full-static":
         kwargs["cache_implementation"] = "static"
     if backend.startswith("cca"):
@@ -108,6 +115,7 @@ def run_cell(model, backend, context, batch, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     cell = timed_generate(model, ids, args.new_tokens, args.skip, **kwargs)
     cell["tokens_per_s"] = batch / cell["ms_per_token"] * 1e3
+    cell["prefill_chunk"] = kwargs["prefill_chunk_size"]
     cell["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return cell
 
@@ -153,7 +161,8 @@ def main() -> int:
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip", type=int, default=4, help="first steps left out of the median (compile, capture)")
-    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per row and chunk")
+    ap.add_argument("--prefill-tokens", type=int, default=65536, help="most tokens (rows x chunk) in one chunk")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--local-window", type=int, default=1024)
@@ -179,7 +188,8 @@ def main() -> int:
     head = (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
             f"{sum(p.numel() for p in cca.parameters()) / 1e9:.2f}B parameters ({dtype}), "
             f"g={cca.config.cca_group_size} s={cca.config.cca_local_window}, {args.new_tokens} new tokens, "
-            f"prefill chunks of {args.prefill_chunk}; built in {time.time() - t0:.0f}s")
+            f"prefill chunks of {args.prefill_chunk} tokens per row, at most {args.prefill_tokens} per chunk; built "
+            f"in {time.time() - t0:.0f}s")
     print(head, flush=True)
     rows = []
     for context in args.contexts:
@@ -193,7 +203,8 @@ def main() -> int:
                     row["cells"][backend] = run_cell(model, backend, context, batch, args)
                     cell = row["cells"][backend]
                     print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
-                          f"(prefill {cell['prefill_s']:.1f}s, {cell['graph_replays']} steps replayed from CUDA "
+                          f"(prefill {cell['prefill_s']:.1f}s in chunks of {prefill_chunk(args, batch)}, "
+                          f"{cell['graph_replays']} steps replayed from CUDA "
                           f"graphs)", flush=True)
                 except torch.OutOfMemoryError:
                     row["cells"][backend] = "OOM"

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--contexts", "70",
-           "--batches", "1,2", "--new-tokens", "6", "--skip", "1", "--prefill-chunk", "48", "--group-size", "4",
+           "--batches", "1,2", "--new-tokens", "6", "--skip", "1", "--prefill-chunk", "48", "--prefill-tokens", "64", "--group-size", "4",
            "--local-window", "16", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -20,4 +20,5 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
         assert set(row["cells"]) == {"cca", "cca-eager", "full", "full-static"}
         for cell in row["cells"].values():
             assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
+            assert cell["prefill_chunk"] == {1: 48, 2: 32}[row["batch"]]  # at most 64 tokens (rows x chunk)
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
