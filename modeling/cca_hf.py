@@ -12,7 +12,7 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
   function (transformers passes neither to attention functions);
 - ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``), and on CUDA
   replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off),
-  captured with ``torch.compile``'d norms and MLPs (``cca_compile_decode=False``: captured as they are).
+  captured with ``torch.compile`` twins of the norms, MLPs and RoPE (``cca_compile_decode=False``: the stock code).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
@@ -215,7 +215,8 @@ class CCAModelMixin(MethodModelMixin):
         graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
         logits = graphs.step(step, cache, ids, positions, fused)
         if fused is not None and fused.failure:
-            logger.warning_once(f"compiled norms/MLPs are off for CUDA-graph decoding: {fused.failure}")
+            logger.warning_once(f"CUDA-graph decoding captures the stock norms, MLPs and RoPE: compiling them failed "
+                                f"({fused.failure})")
         if graphs.failure:
             self._graph_failure = graphs.failure
             logger.warning_once(f"CUDA-graph decoding is off for this model: capturing a step failed "
