@@ -118,7 +118,7 @@ def _line_index(text: str) -> dict[tuple, int]:
 def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         return "unknown key"
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")  # our validators' own words, without pydantic's label
     if "input" in err and not isinstance(err["input"], dict):
         msg += f" (got {err['input']!r})"
     return msg

@@ -184,6 +184,8 @@ BAD_RECIPES = {
     "unknown-key": ("cca:\n  group_size: 4\n  gruop_size: 4\n", "r.yaml:3: cca.gruop_size: unknown key"),
     "group-size-zero": ("cca:\n  group_size: 0\n", "r.yaml:2: cca.group_size"),
     "wrong-type": ("cca:\n  local_window: lots\n", "cca.local_window"),
+    "passkey-depth": ("validate:\n  passkey_depths: [0.5, 1.5]\n", "r.yaml:2: validate.passkey_depths: passkey depths "
+                                                                   "must be between 0 and 1"),
 }
 
 

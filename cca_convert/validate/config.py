@@ -65,6 +65,13 @@ class ValidateSection(Section):
             raise ValueError("context lengths must be >= 2")
         return sorted(set(v)) if all(isinstance(n, int) for n in v) else v
 
+    @field_validator("passkey_depths")
+    @classmethod
+    def _depths(cls, v):
+        if not v or any(not 0 <= d <= 1 for d in v):  # (NaN fails both comparisons)
+            raise ValueError("passkey depths must be between 0 and 1 (at least one)")
+        return v
+
     def resolved(self, trained_context: int) -> "ValidateSection":
         """A copy with relative lengths ("8c", "c/4") turned into tokens of a base trained at ``trained_context``."""
         if all(isinstance(n, int) for n in self.context_lengths):
@@ -79,10 +86,3 @@ RELATIVE = re.compile(r"(\d+)?c(/(\d+))?")
 def relative_length(text: str, trained_context: int) -> int:
     m = RELATIVE.fullmatch(text.strip())
     return max(2, int(m.group(1) or 1) * trained_context // int(m.group(3) or 1))
-
-    @field_validator("passkey_depths")
-    @classmethod
-    def _depths(cls, v):
-        if any(not 0 <= d <= 1 for d in v):
-            raise ValueError("passkey depths must be between 0 and 1")
-        return v
