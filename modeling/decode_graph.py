@@ -38,10 +38,21 @@ def _rope_families(model):
     return [f for f in files if callable(getattr(f, "apply_rotary_pos_emb", None))]
 
 
+_COMPILED = {}
+
+
+def _compiled(fn):
+    """One ``torch.compile`` of ``fn`` per process, so every model (and layer) reuses its compiled shapes."""
+    if fn not in _COMPILED:
+        # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
+        _COMPILED[fn] = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+    return _COMPILED[fn]
+
+
 class FusedModules:
     """``torch.compile``'d twins of a model's norms, dense MLPs and RoPE function, switched on only inside
     ``active()``. One twin per function (a module class's ``forward``, the modeling file's ``apply_rotary_pos_emb``,
-    which it stands in for while active), shared by all layers: Dynamo compiles it once per shape (batch size).
+    which it stands in for while active), shared by all layers and models: Dynamo compiles it once per shape.
     A twin that fails to compile or run makes every twin eager again: they are pure functions, so the call is simply
     redone."""
 
@@ -55,8 +66,7 @@ class FusedModules:
 
     def _twin(self, fn):
         if fn not in self._twins:
-            # emulate_precision_casts: round where eager rounds (bf16 between ops), so a twin gives eager's numbers
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+            compiled = _compiled(fn)
 
             def call(*args, **kwargs):
                 if self.failure is None:

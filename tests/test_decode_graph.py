@@ -62,6 +62,7 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
         return run
 
     monkeypatch.setattr(decode_graph.torch, "compile", broken_compile)
+    monkeypatch.setattr(decode_graph, "_COMPILED", {})  # this process's real twins stay out of (and unharmed by) it
     x = torch.randint(3, 96, (2, 11))
     model.model.norm._compiled_call_impl = None
     expected = model(x, use_cache=False).logits
@@ -85,7 +86,7 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
 def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_limit():
     """Real Inductor twins on a CPU: Qwen3's RMSNorm forward sees three shapes per batch size (hidden, q-norm, k-norm),
     12 over four batch sizes, past Dynamo's default recompile limit (8), which would turn the twins off; they give
-    the stock code's numbers."""
+    the stock code's numbers, and another model reuses them."""
     decode_graph = published.load("decode_graph")
     model = _model(torch.bfloat16, family="qwen3", device="cpu")
     fused = decode_graph.FusedModules(model)
@@ -96,6 +97,14 @@ def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_l
             got = model(x, use_cache=False).logits
         assert fused.failure is None, fused.failure
         torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
+    # a second model of the same shapes reuses the compiled twins: nothing is compiled again
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    other = _model(torch.bfloat16, family="qwen3", device="cpu")
+    with decode_graph.FusedModules(other).active():
+        other(torch.randint(3, 96, (2, 9)), use_cache=False)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
