@@ -82,5 +82,6 @@ def main():
                   f"({cache.decode_graphs.replays} replays, failure: {cache.decode_graphs.failure}, "
                   f"compile failure: {fused.failure if fused else None})")
 
+
 if __name__ == "__main__":
     main()

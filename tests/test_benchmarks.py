@@ -10,8 +10,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--contexts", "70",
-           "--batches", "1,2", "--new-tokens", "6", "--skip", "1", "--prefill-chunk", "48", "--prefill-tokens", "64", "--group-size", "4",
-           "--local-window", "16", "--out", str(tmp_path)]
+           "--batches", "1,2", "--new-tokens", "6", "--skip", "1", "--prefill-chunk", "48", "--prefill-tokens", "64",
+           "--group-size", "4", "--local-window", "16", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]

@@ -81,7 +81,8 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
         assert family.apply_rotary_pos_emb is stock_rope and model.model.layers[0].mlp._compiled_call_impl is None
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="Inductor on a CPU needs a C++ compiler")
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
+                    reason="Inductor on a CPU needs a C++ compiler")
 @torch.no_grad()
 def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_limit():
     """Real Inductor twins on a CPU: Qwen3's RMSNorm forward sees three shapes per batch size (hidden, q-norm, k-norm),
@@ -119,7 +120,7 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
     graphed, cache = _generate(model, True, x, mask, max_new_tokens=90)
     graphs = cache.decode_graphs
     assert graphs.failure is None and graphs.replays >= 60, (graphs.failure, graphs.replays)
-    fused = model._fused_modules  # the steps were captured with the compiled norms and MLPs
+    fused = model._fused_modules  # the steps were captured with the compiled norms, MLPs and RoPE
     layers = model.config.num_hidden_layers  # two norms and an MLP each, and the final norm
     assert fused.failure is None and len(fused.modules) == 3 * layers + 1, [type(m).__name__ for m in fused.modules]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
