@@ -37,12 +37,14 @@ METHOD_FILES = {
         "cca_triton.py": KERNELS_DIR,
         "cca_pool_triton.py": KERNELS_DIR,
         "cca_decode_triton.py": KERNELS_DIR,
+        "tma.py": KERNELS_DIR,
     },
     "dca": {
         "dca_hf.py": MODELING_DIR,
         "attention_hooks.py": MODELING_DIR,
         "dca_reference.py": KERNELS_DIR,
         "dca_triton.py": KERNELS_DIR,
+        "tma.py": KERNELS_DIR,
     },
 }
 # What the generated file says and imports, per method: (title, shim module, mixin class)

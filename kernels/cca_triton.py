@@ -8,6 +8,9 @@ saved) as a forward kernel, a dq kernel, and one dk/dv kernel each for the raw k
 only meets the ~s+g queries of its window) and the core tokens; the pooling's backward adds its
 share into those gradients.
 
+On Hopper and newer GPUs the forward fetches its key/value tiles by TMA (``tma.py``); the backward keeps pointer
+loads (its dk/dv tiles gather stacked query rows).
+
 GQA is native: a program owns one *core head* and stacks several of its query heads as rows of one
 tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has one core head per KV
 head (its r query heads stacked); pooling ``query`` has one core head per query head.
@@ -19,6 +22,7 @@ import triton.language as tl
 
 from .cca_pool_triton import pool_backward, pool_forward, table_strides
 from .cca_reference import check_args
+from .tma import descriptors, use_tma as _use_tma
 
 _LOG2E = 1.4426950408889634
 
@@ -63,12 +67,19 @@ def _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M: tl.constexpr, HP: 
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, n_cols, valid, qk_scale,
-              MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, n_cols, valid, qk_scale, k_desc, v_desc, b, h, col0,
+              MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
-    col_ok = cols < n_cols
-    kt = tl.load(k_base + cols[None, :] * s_kl + d[:, None], mask=col_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
-    v = tl.load(v_base + cols[:, None] * s_vl + d[None, :], mask=col_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if TMA:  # the copy engine fetches the tiles (zeros past n_cols and the head dim): no address math, fewer registers
+        kt = tl.trans(k_desc.load([b.to(tl.int32), h, col0, 0]).reshape(BLOCK_N, BLOCK_D))
+        v = v_desc.load([b.to(tl.int32), h, col0, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        col_ok = cols < n_cols
+        kt = tl.load(k_base + cols[None, :] * s_kl + d[:, None], mask=col_ok[None, :] & (d[:, None] < HEAD_DIM),
+                     other=0.0)
+        v = tl.load(v_base + cols[:, None] * s_vl + d[None, :], mask=col_ok[:, None] & (d[None, :] < HEAD_DIM),
+                    other=0.0)
     s = tl.dot(q, kt, input_precision=PREC) * qk_scale
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
@@ -76,7 +87,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, n_cols, valid,
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return acc, m_new, l_i
 
 
@@ -119,12 +130,12 @@ def _dkdv_tile(dk, dv, k, v, LSE, DELTA, q_base, do_base, s_qh, s_ql, s_oh, s_ol
 # Forward and dq: one program = (core head, stacked query heads chunk, block of BMP positions)
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_kernel(Q, K, V, KC, VC, O, LSE,
+def _fwd_kernel(Q, K, V, KC, VC, K_DESC, V_DESC, KC_DESC, VC_DESC, O, LSE,
                 s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 s_cb, s_ch, s_cl, s_wb, s_wh, s_wl, s_ob, s_oh, s_ol,
                 L, P, G, S, n_heads, n_core, n_stack, n_rep, n_chunks, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
+                HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     b64, c, j, t0, t1, hq, t, ok = _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M, HP, BMP)
     d = tl.arange(0, BLOCK_D)
     dmask = d[None, :] < HEAD_DIM
@@ -145,11 +156,12 @@ def _fwd_kernel(Q, K, V, KC, VC, O, LSE,
     n0_full = (n0 // BLOCK_N) * BLOCK_N
     for p0 in range(0, n0_full, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, kc_base, vc_base, s_cl, s_wl, p0 + offs, P, 0, qk_scale,
-                                  False, HEAD_DIM, BLOCK_D, PREC)
+                                  KC_DESC, VC_DESC, b64, c, p0, False, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
     for p0 in range(n0_full, n1, BLOCK_N):
         cols = p0 + offs
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, kc_base, vc_base, s_cl, s_wl, cols, P,
-                                  cols[None, :] < n_t[:, None], qk_scale, True, HEAD_DIM, BLOCK_D, PREC)
+                                  cols[None, :] < n_t[:, None], qk_scale, KC_DESC, VC_DESC, b64, c, p0,
+                                  True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
 
     # Raw keys [n(t)*g, t]: masked start [n0*g, n1*g), mask-free middle, masked causal end.
     k_base = K + b64 * s_kb + j.to(tl.int64) * s_kh
@@ -160,15 +172,16 @@ def _fwd_kernel(Q, K, V, KC, VC, O, LSE,
         cols = k0 + offs
         valid = (cols[None, :] >= lo_t[:, None]) & (cols[None, :] <= t[:, None]) & (cols[None, :] < a_end)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, L, valid, qk_scale,
-                                  True, HEAD_DIM, BLOCK_D, PREC)
+                                  K_DESC, V_DESC, b64, j, k0, True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
     b_end = a_end + (tl.maximum(t0 + 1 - a_end, 0) // BLOCK_N) * BLOCK_N
     for k0 in range(a_end, b_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, k0 + offs, L, 0, qk_scale,
-                                  False, HEAD_DIM, BLOCK_D, PREC)
+                                  K_DESC, V_DESC, b64, j, k0, False, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
     for k0 in range(b_end, t1 + 1, BLOCK_N):
         cols = k0 + offs
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, L,
-                                  cols[None, :] <= t[:, None], qk_scale, True, HEAD_DIM, BLOCK_D, PREC)
+                                  cols[None, :] <= t[:, None], qk_scale, K_DESC, V_DESC, b64, j, k0,
+                                  True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees itself
     out = acc / l_i[:, None]
@@ -417,7 +430,8 @@ class _RopeFn(torch.autograd.Function):
 # Launch configuration
 # --------------------------------------------------------------------------------------------------
 # (BLOCK_M stacked query rows, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim.
-# Hopper hd128: the fastest of a sweep on an H200 at L=32K, 32/8 heads (benchmarks/attention.py --sweep);
+# Hopper hd128: the fastest of a sweep on an H200 at L=32K, 32/8 heads (benchmarks/attention.py --sweep); the forward
+# again with TMA fetches (2026-11-24, kv pooling: 64x64 2.27 ms, 128x64 2.59, 128x128 2.59; pointers 2.58 at 64x64);
 # the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles.
 # head_dim 256 (Gemma-style): smaller tiles so that q, k and v tiles fit shared memory, not tuned.
 # Ampere: same tiles, fewer stages (less shared memory). Interpreter (CPU tensors): small tiles so
@@ -477,16 +491,18 @@ class _Dims:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, kc, vc, dims):
+def _forward(q, k, v, kc, vc, dims, use_tma=None):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
+    tma = _use_tma(use_tma, "cca_attention_triton", dims.block_d, k, v, kc, vc)
+    descs = descriptors(bn, dims.block_d, k, v, kc, vc) if tma else (None,) * 4
     _fwd_kernel[grid](
-        q, k, v, kc, vc, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(kc), *_strides(vc), *_strides(o),
+        q, k, v, kc, vc, *descs, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(kc), *_strides(vc), *_strides(o),
         dims.L, dims.P, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale,
-        HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, PREC=dims.prec,
+        HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, PREC=dims.prec, TMA=tma,
         num_warps=warps, num_stages=stages,
     )
     return o, lse
@@ -544,12 +560,12 @@ class _CCAAttentionFn(torch.autograd.Function):
     what is pooled)."""
 
     @staticmethod
-    def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale):
+    def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale, use_tma):
         q, k_rot, k, v = (_last_dim_contiguous(x) for x in (q, k_rot, k, v))
         cos, sin = cos.contiguous(), sin.contiguous()
         kc, vc = pool_forward(q, k_rot, k, v, cos, sin, group_size, pooling, scale)
         dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
-        o, lse = _forward(q, k_rot, v, kc, vc, dims)
+        o, lse = _forward(q, k_rot, v, kc, vc, dims, use_tma)
         ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
         ctx.dims, ctx.pooling = dims, pooling
         ctx.mark_non_differentiable(kc, vc)  # returned for KV caches only
@@ -561,7 +577,7 @@ class _CCAAttentionFn(torch.autograd.Function):
         dims = ctx.dims
         dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims)
         dk = pool_backward(dkc, dvc, q, k_rot, k, v, cos, sin, dq, dk_rot, dv, dims.G, ctx.pooling, dims.sm_scale)
-        return dq, dk_rot, dk, dv, None, None, None, None, None, None
+        return dq, dk_rot, dk, dv, None, None, None, None, None, None, None
 
 
 def cca_attention_triton(
@@ -575,12 +591,15 @@ def cca_attention_triton(
     pooling: str = "kv",
     scale: float | None = None,
     return_core: bool = False,
+    use_tma: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
     ``q`` (B, H, L, d), ``k``/``v`` (B, Hkv, L, d), pre-RoPE; ``cos``/``sin`` (L, d), (1, L, d) or (B, L, d).
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
     a contiguous last dim; even head_dim <= 256 (padded to a power of two inside the kernels).
+    ``use_tma``: the forward fetches key/value tiles with TMA descriptors (``tma.py``; default: on a Hopper or newer
+    GPU, head dims <= 128, aligned rows). Both ways give the same numbers.
     """
     check_args(group_size, local_window, pooling)
     head_dim = q.shape[-1]
@@ -591,5 +610,6 @@ def cca_attention_triton(
         raise ValueError(f"cos/sin must be (L, d), (1, L, d) or (B, L, d) for q {tuple(q.shape)}, got {tuple(cos.shape)}")
     scale = head_dim**-0.5 if scale is None else scale
     q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
-    out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale)
+    out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale,
+                                                use_tma)
     return (out, k_core, v_core) if return_core else out

@@ -11,6 +11,8 @@ the prologue from a cos/sin table of the positions ``0..C`` (every query positio
 ``scale * T * log2(e)``: no (3, B, H, L, d) pre-rotated copy in memory, no extra launches. Row tiles run heaviest
 first (the causal tail is the short tiles).
 
+Key/value tiles come by TMA (``tma.py``) on Hopper and newer GPUs, except for decode's small tiles.
+
 GQA-native: a program owns one KV head and stacks ``HP`` of its query heads as rows of one tile (all ``r`` of them
 for decode), so a key/value tile is loaded once for all of them; no ``repeat_kv``.
 Left padding: keys of sequence ``b`` sit at columns ``kstart[b]..`` (pads first, as transformers lays them out);
@@ -26,18 +28,23 @@ import triton
 import triton.language as tl
 
 from .dca_reference import check_params
+from .tma import descriptors, use_tma as _use_tma
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d, dmask,
-          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+def _tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, b, g, n0, lo, hi, Lk, stride_kn, stride_vn, d, dmask,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+          PREC: tl.constexpr, TMA: tl.constexpr):
     """One key tile into the running softmax. Interior tiles (every row sees every column) skip the masks."""
     cols = n0 + tl.arange(0, BLOCK_N)
     k_ptr = k_base + cols[:, None] * stride_kn + d[None, :]
     v_ptr = v_base + cols[:, None] * stride_vn + d[None, :]
-    if MASKED:
+    if TMA:  # the copy engine fetches the tiles (zeros past Lk and past the head dim): no address math, fewer registers
+        k = k_desc.load([b, g, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([b, g, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    elif MASKED:
         cmask = cols < Lk
         k = tl.load(k_ptr, mask=cmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(v_ptr, mask=cmask[:, None] & dmask[None, :], other=0.0)
@@ -59,12 +66,12 @@ def _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale,
+def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale,
              stride_qb, stride_qh, stride_qm,
              stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn,
@@ -72,7 +79,7 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale,
              stride_ls, stride_lb, stride_lh,
              Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, CHUNK, SPLIT_COLS,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr):
+             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     pid_bh, pid_s = tl.program_id(0), tl.program_id(2)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest row tiles first: the tail of the grid is short
     chunk = pid_bh % N_CHUNKS
@@ -142,14 +149,17 @@ def _dca_fwd(Q, K, V, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale,
                 inner_lo = end
                 inner_hi = end
             for n0 in range(start, inner_lo, BLOCK_N):
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, True, HEAD_DIM == BLOCK_D, PREC)
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
+                                      stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, True, HEAD_DIM == BLOCK_D,
+                                      PREC, TMA)
             for n0 in range(inner_lo, inner_hi, BLOCK_N):
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, False, HEAD_DIM == BLOCK_D, PREC)
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
+                                      stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, False, HEAD_DIM == BLOCK_D,
+                                      PREC, TMA)
             for n0 in range(inner_hi, end, BLOCK_N):
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, n0, lo, hi, Lk, stride_kn, stride_vn, d,
-                                      dmask, BLOCK_N, True, HEAD_DIM == BLOCK_D, PREC)
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
+                                      stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, True, HEAD_DIM == BLOCK_D,
+                                      PREC, TMA)
     has = (l_i > 0) & ok  # pad rows may have run interior tiles (with q = 0): their output is defined as 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     o_ptr = O + pid_s * stride_os + b64 * stride_ob + head.to(tl.int64)[:, None] * stride_oh + t[:, None] * stride_om
@@ -207,7 +217,8 @@ def _rotate_keys(K, OUT, KPOS, ROPE, stride_kb, stride_kh, stride_kn, stride_ob,
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); interpreter: small tiles so that tests cross many tile borders.
-# prefill: the fastest of benchmarks/dca.py --sweep on an H200 at 32K (31.2 ms; 64-key tiles 31.6, 64-row 32.4).
+# prefill: the fastest of benchmarks/dca.py --sweep on an H200 at 32K (then 31.2 ms; 64-key tiles 31.6, 64-row 32.4);
+# with TMA fetches (exp sweep, 2026-11-24): 128x128 17.45 ms, 128x64 19.25, 128x128 2 stages 20.45.
 _CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
 _MIN_ROWS_PER_HEAD = 128  # prefill: one query head per tile (stacking two 64-row heads measured no faster)
 
@@ -239,7 +250,7 @@ def _sm_count(device) -> int:
 
 
 def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp=None,
-                         attention_factor=1.0, splits: int | None = None, table=None):
+                         attention_factor=1.0, splits: int | None = None, table=None, use_tma: bool | None = None):
     """DCA attention output (B, H, Lq, d) in ``v``'s dtype.
 
     q (B, H, Lq, d) before RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``dca_reference.rotate_keys``);
@@ -247,6 +258,8 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     qpos (B, Lq) absolute query positions, -1 for pad queries; kstart (B,) the number of leading pad columns of each
     sequence (key position = column - kstart); temp (B,) the temperature T per sequence (None: 1);
     table: ``rope_table(inv_freq, chunk_size, attention_factor)``, which a caller running many layers computes once.
+    use_tma: fetch key/value tiles with TMA descriptors (default: prefill tiles on a Hopper or newer GPU when the rows
+    are 16-byte aligned: 20.5 -> 17.4 ms at 32K on an H200; decode keeps pointer loads). Both give the same numbers.
     """
     check_params(chunk_size, local_size)
     bsz, n_heads, q_len, head_dim = q.shape
@@ -296,14 +309,18 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         lse_strides = lse.stride()[:3]
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (bsz * n_kv * n_chunks, m_tiles, splits)
+    if use_tma is None and q_len * rep <= 16:  # decode's small split tiles: slower by TMA (181 -> 241 us at 128K)
+        use_tma = False
+    use_tma = _use_tma(use_tma, "dca_attention_triton", block_d, k_rot, v)
+    k_desc, v_desc = descriptors(block_n, block_d, k_rot, v) if use_tma else (None, None)
     _dca_fwd[grid](
-        q, k_rot, v, o_arg, lse, qpos32, kstart32, table, temp, scale * _LOG2E,
+        q, k_rot, v, k_desc, v_desc, o_arg, lse, qpos32, kstart32, table, temp, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         *k_rot.stride()[:3], *v.stride()[:3],
         *o_arg.stride()[:4], *lse_strides,
         n_kv, q_len, k_len, rep, n_chunks, chunk_size - local_size, chunk_size, split_cols,
         HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=inv_freq.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
-        HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32",
+        HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:

@@ -30,7 +30,7 @@ tri = _load("dca_triton")
 
 
 def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None,
-         af=1.0):
+         af=1.0, use_tma=None):
     """Kernel vs reference over the last ``lq`` queries of left-padded sequences of tensor length ``L``."""
     gen = torch.Generator().manual_seed(seed)
     lq = lq or L
@@ -46,7 +46,7 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
     kr = ref.rotate_keys(k.to(dtype), kpos, C, w, inv_freq, af)
     temp = ref.temperature_per_sequence(kstart, L, c_orig) if c_orig else None  # None: the kernel's T = 1 path
     got = tri.dca_attention_triton(q.to(dtype), kr, v.to(dtype), torch.where(qvalid, qpos, -1), kstart, C, w,
-                                   inv_freq, scale, temp, af, splits=splits).float()
+                                   inv_freq, scale, temp, af, splits=splits, use_tma=use_tma).float()
     real = qvalid[:, None, :, None].expand_as(expect)
     err = (got - expect)[real].abs().max().item()
     assert torch.isfinite(got).all(), "pad rows must be finite"
@@ -72,9 +72,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}kv{}L{}d{}C{}w{}".format(*s))
-def test_prefill_matches_reference(shape):
-    case(*shape)
+def test_prefill_matches_reference(shape, use_tma):
+    """Both ways of fetching key/value tiles: address arithmetic, and TMA descriptors (zeros past the sequence and
+    past the head dim; what a Hopper GPU uses)."""
+    case(*shape, use_tma=use_tma)
 
 
 @pytest.mark.parametrize("pads", [[0, 11], [6, 0, 29]])
@@ -87,6 +90,25 @@ def test_cached_passes(lq, splits):
     """Decode (lq=1) and chunked prefill (lq>1) over a cache, with the key columns split over several programs
     (flash-decoding) whose partial results merge by their log-sum-exps."""
     case(2, 7, 1, 60, 64, 11, 3, pads=[0, 9], lq=lq, splits=splits, c_orig=20)
+
+
+@pytest.mark.parametrize("lq,splits", [(1, 3), (5, 4)])
+def test_cached_passes_with_tma(lq, splits):
+    case(2, 7, 1, 60, 80, 11, 3, pads=[0, 9], lq=lq, splits=splits, c_orig=20, use_tma=True)
+
+
+def test_tma_refuses_unaligned_rows():
+    """A forced ``use_tma`` on rows the copy engine cannot fetch (here: 4 bytes past an aligned address) is one clear
+    error; the default then takes the pointer path."""
+    k = torch.randn(1, 1, 9, 65, device=DEVICE)[..., 1:]  # rows start 4 bytes into the buffer: not 16-byte aligned
+    q, v = torch.randn(1, 1, 9, 64, device=DEVICE), torch.randn(1, 1, 9, 64, device=DEVICE)
+    pos, kstart = torch.arange(9, device=DEVICE)[None], torch.zeros(1, dtype=torch.long, device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEVICE) / 64))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tri.dca_attention_triton(q, k, v, pos, kstart, 8, 2, inv_freq, 0.125, use_tma=True)
+    out = tri.dca_attention_triton(q, k, v, pos, kstart, 8, 2, inv_freq, 0.125)
+    assert torch.equal(out, tri.dca_attention_triton(q, k.contiguous(), v, pos, kstart, 8, 2, inv_freq, 0.125,
+                                                     use_tma=False))
 
 
 def test_partial_rotary():
@@ -148,6 +170,12 @@ def test_reference_matches_naive_with_rotated_keys():
 ], ids=lambda s: "B{}H{}kv{}L{}d{}C{}w{}".format(*s) if isinstance(s, tuple) else None)
 def test_gpu_long(shape, dtype):
     case(*shape, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_pointer_path():
+    """The tile fetch a pre-Hopper GPU (or unaligned rows) gets."""
+    case(1, 32, 8, 4500, 128, 768, 96, dtype=torch.bfloat16, use_tma=False)
 
 
 @pytest.mark.gpu
