@@ -1,9 +1,11 @@
 """Decode in real ``generate()``: the exported CCA model vs stock transformers' full attention, same weights.
 
 What users run: a prompt of L random tokens per row, a real prefill, then ``model.generate()`` with its defaults.
-The time of each generated token is read inside that one ``generate()`` call (a logits processor stamps every step
-after a device sync; generate syncs every step anyway), and ms/token is the median step after the first few (which
-include kernel compilation and, for the compiled baseline, CUDA-graph capture).
+The time of each generated token is read inside that one ``generate()`` call (a logits processor stamps every step;
+generate waits for the device once per step, so the stamps keep its period: ``benchmarks/step_clock.py``), and
+ms/token is the median step after the first few (which include kernel compilation and, for the compiled baseline,
+CUDA-graph capture). ``--sync-steps``: the clock syncs the device at every stamp, as the results before 2026-11-24
+did; that adds generate's post-forward host work (sampling, stopping checks) to every step.
 
 Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``: a tiny one that runs on a CPU):
 - ``cca``: the exported class (stock ``LlamaForCausalLM`` + ``CCAModelMixin``, the CLI's defaults g=16, s=1024,
@@ -113,7 +115,7 @@ def run_cell(model, backend, context, batch, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    cell = timed_generate(model, ids, args.new_tokens, args.skip, **kwargs)
+    cell = timed_generate(model, ids, args.new_tokens, args.skip, args.sync_steps, **kwargs)
     cell["tokens_per_s"] = batch / cell["ms_per_token"] * 1e3
     cell["prefill_chunk"] = kwargs["prefill_chunk_size"]
     cell["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -163,6 +165,8 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=4, help="first steps left out of the median (compile, capture)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per row and chunk")
     ap.add_argument("--prefill-tokens", type=int, default=65536, help="most tokens (rows x chunk) in one chunk")
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="the step clock syncs the device every step (the clock of results before 2026-11-24)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--local-window", type=int, default=1024)
@@ -188,8 +192,8 @@ def main() -> int:
     head = (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
             f"{sum(p.numel() for p in cca.parameters()) / 1e9:.2f}B parameters ({dtype}), "
             f"g={cca.config.cca_group_size} s={cca.config.cca_local_window}, {args.new_tokens} new tokens, "
-            f"prefill chunks of {args.prefill_chunk} tokens per row, at most {args.prefill_tokens} per chunk; built "
-            f"in {time.time() - t0:.0f}s")
+            f"prefill chunks of {args.prefill_chunk} tokens per row, at most {args.prefill_tokens} per chunk; "
+            f"step clock {'synced every step' if args.sync_steps else 'unsynced'}; built in {time.time() - t0:.0f}s")
     print(head, flush=True)
     rows = []
     for context in args.contexts:

@@ -9,23 +9,27 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 class StepClock(LogitsProcessor):
     """Stamps every generation step: generate calls its logits processors once per new token, after that token's
-    forward. A device sync before each stamp (generate syncs every step anyway to check its stopping criteria)."""
+    forward. Only the first stamp waits for the device (it ends the prefill). Later stamps do not: generate itself
+    waits for the device once per step (its stopping check reads a device flag), so in steady state the stamps
+    keep the period of that loop, the real time per token. A sync here would add one: the host would stop queueing
+    the step's sampling and bookkeeping behind the forward, which no user's generate() does (``sync_steps=True``
+    does it anyway: the clock of the results before 2026-11-24, kept to compare)."""
 
-    def __init__(self, device):
-        self.device, self.stamps = torch.device(device), []
+    def __init__(self, device, sync_steps=False):
+        self.device, self.stamps, self.sync_steps = torch.device(device), [], sync_steps
 
     def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and (self.sync_steps or not self.stamps):
             torch.cuda.synchronize(self.device)
         self.stamps.append(time.perf_counter())
         return scores
 
 
-def timed_generate(model, ids, new_tokens, skip=4, **kwargs) -> dict:
+def timed_generate(model, ids, new_tokens, skip=4, sync_steps=False, **kwargs) -> dict:
     """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``. ``prefill_s``: start to the first
     token; ``ms_per_token``: median step after the first ``skip`` (compilation, graph capture); ``steps_ms``: all;
     ``graph_replays``: steps a CCA cache replayed from a CUDA graph."""
-    clock = StepClock(ids.device)
+    clock = StepClock(ids.device, sync_steps)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

@@ -239,10 +239,10 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def _on_kernels(self, q) -> bool:
         return self.uses_decode_kernels(q.shape[-1]) and (q.is_cuda or self.force_triton)
 
-    def reserve(self, steps: int):
+    def reserve(self, steps: int, group_size: int | None = None):
         """Core capacity for the next ``steps`` one-token steps; when short, GRAPH_RESERVE more tokens' worth at once
         (growing replaces the core tensors, which invalidates captured steps)."""
-        g = self.config.group_size
+        g = group_size or self.config.group_size
         if self.core_k.shape[2] < (self.max_seen + steps) // g + 1:
             self._grow_core((self.max_seen + steps + GRAPH_RESERVE) // g + 1)
 
@@ -467,14 +467,17 @@ class CCACache(Cache):
     def graphable(self, head_dim: int) -> bool:
         """Whether a one-token step may be replayed from a CUDA graph: every layer is a filled CCA layer on the
         Triton decode path and no crop was announced (assisted decoding keeps per-step undo copies)."""
-        return all(isinstance(layer, CCALayerCache) and layer.seen is not None and layer.seen.is_cuda
-                   and not layer.record_past and layer.uses_decode_kernels(head_dim) for layer in self.layers)
+        # The layers share one config: read it once (config lookups dominate this per-step host check).
+        return (all(isinstance(layer, CCALayerCache) and layer.seen is not None and layer.seen.is_cuda
+                    and not layer.record_past for layer in self.layers)
+                and bool(self.layers) and self.layers[0].uses_decode_kernels(head_dim))
 
     def decode_tensors(self, steps: int) -> list:
         """The tensors a one-token step reads and writes, after reserving core capacity for ``steps`` more steps; a
         captured step stays valid while these are the same objects."""
+        group_size = self.config.group_size
         for layer in self.layers:
-            layer.reserve(steps)
+            layer.reserve(steps, group_size)
         return [getattr(layer, n) for layer in self.layers for n in layer._tensors()]
 
     def host_counters(self) -> list:
