@@ -66,7 +66,10 @@ def _tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, b, g, n0, lo, hi, Lk
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    if TMA:  # the accumulating form: 1-2% faster prefill; decode's small tiles (pointer loads) keep the other
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, l_i
 
 

@@ -15,15 +15,17 @@ except ImportError:  # pragma: no cover - triton < 3.4
 
 
 def tma_ok(*tensors) -> bool:
-    """Whether TMA can fetch tiles of these (B, heads, rows, d) tensors: a Hopper or newer GPU (or the interpreter's
-    CPU tensors) and rows at 16-byte aligned addresses."""
+    """Whether TMA can fetch tiles of these (B, heads, rows, d) tensors: 16-bit ones on a Hopper or newer GPU (or the
+    interpreter's CPU tensors, any dtype), non-empty (a sequence shorter than a group has no core tokens), with rows at
+    16-byte aligned addresses."""
     if TensorDescriptor is None:
         return False
     for x in tensors:
-        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        # 16-bit tiles only on GPUs: the measured ones (fp32 inputs serve exactness tests, where speed does not matter)
+        if x.device.type == "cuda" and (torch.cuda.get_device_capability(x.device)[0] < 9 or x.element_size() != 2):
             return False
         size = x.element_size()
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * size % 16 for st in x.stride()[:-1]):
+        if not x.numel() or x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * size % 16 for st in x.stride()[:-1]):
             return False
     return True
 
@@ -34,8 +36,8 @@ def use_tma(requested, caller: str, block_d: int, *tensors) -> bool:
     if requested is None:
         return tensors[0].device.type == "cuda" and block_d <= 128 and tma_ok(*tensors)
     if requested and not tma_ok(*tensors):
-        raise ValueError(f"{caller}: use_tma=True needs triton >= 3.4, a Hopper or newer GPU and keys/values with "
-                         f"16-byte aligned rows")
+        raise ValueError(f"{caller}: use_tma=True needs triton >= 3.4, a Hopper or newer GPU and non-empty 16-bit "
+                         f"keys/values with 16-byte aligned rows")
     return bool(requested)
 
 
