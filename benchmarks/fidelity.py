@@ -157,6 +157,9 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=None, help="write the table here (.md) and .json beside it")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dca", action="store_true", help="only the DCA row: base vs DCA from c to 8c")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="with --dca: pretrain the base with this RoPE base (default 10000; Llama 3's is 500000) in "
+                         "out/fidelity-llama-theta<THETA>")
     ap.add_argument("--passkey-base", action="store_true",
                     help="with --dca: a base pretrained with passkey windows (out/fidelity-llama-passkey), and the "
                          "passkey bar")
@@ -172,9 +175,14 @@ def main() -> int:
     import triton
 
     env.update(transformers=transformers.__version__, triton=triton.__version__)
+    if args.rope_theta is not None and not args.dca:
+        ap.error("--rope-theta is for the DCA row (--dca)")
+    theta = () if args.rope_theta is None else ("--rope-theta", f"{args.rope_theta:g}")
     if args.base is None:
-        args.base = REPO / "out" / ("fidelity-llama-passkey" if args.passkey_base else "fidelity-llama")
-    pretrain_s = ensure_base(args.base, args.device, PASSKEY_BASE if args.passkey_base else ())
+        name = "fidelity-llama" + ("-passkey" if args.passkey_base else "")
+        name += f"-theta{args.rope_theta:g}" if theta else ""
+        args.base = REPO / "out" / name
+    pretrain_s = ensure_base(args.base, args.device, (PASSKEY_BASE if args.passkey_base else ()) + theta)
     summary = json.loads((args.base / "training_summary.json").read_text()) if (
         args.base / "training_summary.json").is_file() else {}
     if args.dca:
@@ -182,11 +190,12 @@ def main() -> int:
         print(f"\nDCA on held-out KJV books ({env['device']}, torch {env['torch']}, transformers "
               f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048"
               + (f" with {summary['passkey_frac']:g} of its windows passkey prompts" if summary.get("passkey_frac") else "")
+              + (f", RoPE base {summary['rope_theta']:g}" if summary.get("rope_theta") else "")
               + f":\n\n{text}\n\n{'PASS' if ok else 'FAIL'}")
         if args.results:
             args.results.parent.mkdir(parents=True, exist_ok=True)
-            args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca"
-                                    f"{' --passkey-base' if args.passkey_base else ''}` ({env['device']}, torch "
+            flags = " --passkey-base" * args.passkey_base + "".join(" " + x for x in theta)
+            args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca{flags}` ({env['device']}, torch "
                                     f"{env['torch']}, transformers {env['transformers']}, triton {env['triton']}; "
                                     f"base: {summary})\n\n{text}\n")
             args.results.with_suffix(".json").write_text(json.dumps({"env": env, "base": summary, **data}, indent=1))

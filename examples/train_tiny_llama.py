@@ -84,6 +84,9 @@ def parse_args():
     p.add_argument("--intermediate", type=int, default=688)
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
     p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--rope-theta", type=float, default=10000.0,
+                   help="RoPE base (Llama 3 uses 500000: more of the slow channels never turn a full period within "
+                        "the training length)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, ... (bf16 autocast on either)")
     p.add_argument("--passkey-frac", type=float, default=0.0,
                    help="fraction of each batch's windows replaced by passkey prompts in the format of cca-convert's "
@@ -158,7 +161,7 @@ def build_model(args, tokenizer):
         head_dim=args.head_dim or args.hidden // args.heads,
         hidden_act="silu",
         max_position_embeddings=args.max_position_embeddings,
-        rope_theta=10000.0,
+        rope_theta=args.rope_theta,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
         tie_word_embeddings=True,
@@ -314,7 +317,8 @@ def main():
                        steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                        short_len=args.short_len, seq_len=args.seq_len, long_frac=args.long_frac,
                        autocast_bf16=args.autocast_bf16, save_dtype=args.save_dtype,
-                       threads=args.threads, seed=args.seed, passkey_frac=args.passkey_frac)
+                       threads=args.threads, seed=args.seed, passkey_frac=args.passkey_frac,
+                       rope_theta=args.rope_theta)
 
     # Evaluate exactly what was saved (reloaded from disk, float32 compute).
     model = AutoModelForCausalLM.from_pretrained(out_dir).to(args.device)
