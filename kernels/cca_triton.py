@@ -500,7 +500,8 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None):
     tma = _use_tma(use_tma, "cca_attention_triton", dims.block_d, k, v, kc, vc)
     descs = descriptors(bn, dims.block_d, k, v, kc, vc) if tma else (None,) * 4
     _fwd_kernel[grid](
-        q, k, v, kc, vc, *descs, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(kc), *_strides(vc), *_strides(o),
+        q, k, v, kc, vc, *descs, o, lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(kc), *_strides(vc), *_strides(o),
         dims.L, dims.P, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale,
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, PREC=dims.prec, TMA=tma,
         num_warps=warps, num_stages=stages,
