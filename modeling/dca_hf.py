@@ -150,7 +150,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     q, k = unrope(module, query, key, cos, sin, step["inverse"])  # whatever positions RoPE used
     kernel = _use_kernel(module.config, query)
     if kernel:
-        k_rot = rotate_keys_triton(k, qpos, chunk, local, _query_table(rotary, chunk), value.dtype)
+        if "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
+            step["qpos32"] = qpos.to(torch.int32)
+        k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
     else:
         k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
@@ -165,9 +167,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             # the layout once for the pass (one host sync per step, not per layer)
             layout = cache.leading_pads_only if isinstance(cache, DCACache) else None
             kstart = (~kvalid).sum(1)
-            step.update(kstart=kstart, layout=_leading_pads_only(kvalid) if layout is None else layout,
+            step.update(kstart=kstart.to(torch.int32), layout=_leading_pads_only(kvalid) if layout is None else layout,
                         temp=temperature_per_sequence(kstart, kvalid.shape[1], c_orig) if c_orig else None,
-                        kernel_qpos=torch.where(qvalid, qpos, -1))
+                        kernel_qpos=torch.where(qvalid, step["qpos32"], -1))
         if step["layout"]:
             out = dca_attention_triton(q.to(value.dtype), k_rot, v, step["kernel_qpos"], step["kstart"], chunk,
                                        local, rotary.inv_freq, scaling, step["temp"], rotary.attention_scaling,
