@@ -97,7 +97,9 @@ def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_l
         with fused.active():
             got = model(x, use_cache=False).logits
         assert fused.failure is None, fused.failure
-        torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
+        # bf16: a fused kernel rounds once where eager rounds per op, so logits move by up to about one bf16 ulp
+        # (5.2e-3 with torch 2.11's CPU Inductor, < 2e-3 with 2.13; the GPU twin tests allow 3e-2)
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=0)
     # a second model of the same shapes reuses the compiled twins: nothing is compiled again
     from torch._dynamo.utils import counters
 
