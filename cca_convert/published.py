@@ -37,6 +37,7 @@ METHOD_FILES = {
         "cca_triton.py": KERNELS_DIR,
         "cca_pool_triton.py": KERNELS_DIR,
         "cca_decode_triton.py": KERNELS_DIR,
+        "skinny_triton.py": KERNELS_DIR,
         "tma.py": KERNELS_DIR,
     },
     "dca": {

@@ -8,8 +8,10 @@ outgrowing its reserve) makes the next step eager and the step after it captured
 captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
 
 While a step is warmed up and captured, the model's norms, dense MLPs and RoPE run as ``torch.compile`` twins of
-transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op.
-Prefill, training and eager steps keep the stock code.
+transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op. The
+linear layers of up to 16 rows run as Triton products (``skinny_triton.py``, ``SkinnyLinears``): one launch for a
+layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. Prefill, training and
+eager steps keep the stock code.
 """
 
 import functools
@@ -17,6 +19,12 @@ import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
+
+try:
+    from .skinny_triton import skinny_gated, skinny_linear, usable as skinny_usable
+except ImportError:  # triton is optional
+    skinny_gated = skinny_linear = skinny_usable = None
 
 
 def _fusable(model):
@@ -49,6 +57,136 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
+def _plain_linear(module) -> bool:
+    """A stock ``nn.Linear`` whose call is its ``forward`` (no LoRA wrapper, hook, patch or user's compile)."""
+    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and module._compiled_call_impl is None)
+
+
+def _activation(mlp) -> str | None:
+    act = getattr(mlp, "act_fn", None)
+    kind = type(act).__name__
+    if kind in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if kind in ("GELUTanh", "PytorchGELUTanh") or (kind == "GELU" and getattr(act, "approximate", None) == "tanh"):
+        return "gelu_tanh"
+    return None
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+class SkinnyLinears:
+    """Calls that replace a decode step's stock linear layers by the Triton few-row products, while ``FusedModules``
+    is active, where ``skinny_usable`` (16-bit CUDA tensors, at most 16 rows); otherwise the stock computation.
+
+    - q/k/v: transformers' attention modules call ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on one ``x``. The
+      q_proj call computes all three in one launch and keeps k and v; the k_proj and v_proj calls on that same
+      ``x`` hand them out (on any other input they compute their own).
+    - o_proj: one launch without cuBLAS's split-K reduction.
+    - a gated MLP (``down(act(gate(x)) * up(x))``, SiLU or tanh-GELU): gate, up and the activation in one launch,
+      then down. Its first call per MLP class is checked against the stock twin: a class whose forward computes
+      something else keeps the twin."""
+
+    def __init__(self, owner: "FusedModules", model):
+        self.owner, self.pending, self.checked = owner, [], {}
+        self.calls = []  # (module, call)
+        if skinny_linear is None:
+            return
+        for module in model.modules():
+            names = ("q_proj", "k_proj", "v_proj")
+            projections = [getattr(module, n, None) for n in names]
+            if (hasattr(module, "layer_idx") and all(map(_plain_linear, projections))
+                    and len({p.in_features for p in projections}) == 1
+                    and len({p.bias is None for p in projections}) == 1):
+                self.calls += self._qkv(*projections)
+            if hasattr(module, "layer_idx") and _plain_linear(getattr(module, "o_proj", None)):
+                self.calls.append((module.o_proj, self._one(module.o_proj)))
+
+    def _failed(self, error):
+        self.owner.failure = f"{type(error).__name__}: {error}"
+
+    def _one(self, linear):
+        def call(x):
+            rows = _rows(x)
+            if self.owner.failure is None and skinny_usable(rows, linear.weight):
+                try:
+                    bias = None if linear.bias is None else [linear.bias]
+                    return skinny_linear(rows, [linear.weight], bias)[0].view(*x.shape[:-1], -1)
+                except Exception as error:
+                    self._failed(error)
+            return F.linear(x, linear.weight, linear.bias)
+
+        return call
+
+    def _qkv(self, q, k, v):
+        kept = {}
+        self.pending.append(kept)
+        weights = [q.weight, k.weight, v.weight]
+        biases = None if q.bias is None else [q.bias, k.bias, v.bias]
+
+        def q_call(x):
+            kept.clear()
+            rows = _rows(x)
+            if self.owner.failure is None and skinny_usable(rows, *weights):
+                try:
+                    yq, kept[k], kept[v] = (y.view(*x.shape[:-1], -1) for y in skinny_linear(rows, weights, biases))
+                    kept["input"] = x
+                    return yq
+                except Exception as error:
+                    kept.clear()
+                    self._failed(error)
+            return F.linear(x, q.weight, q.bias)
+
+        def handed(linear):
+            def call(x):
+                if kept.get("input") is x and linear in kept:
+                    y = kept.pop(linear)
+                    if len(kept) == 1:
+                        kept.clear()  # both handed out: release the input
+                    return y
+                return F.linear(x, linear.weight, linear.bias)
+
+            return call
+
+        return [(q, q_call), (k, handed(k)), (v, handed(v))]
+
+    def mlp_call(self, mlp, twin):
+        """``mlp``'s call: the Triton gated product and down projection where they apply, else ``twin``."""
+        act = _activation(mlp)
+        linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if skinny_linear is None or act is None or not all(_plain_linear(x) and x.bias is None for x in linears):
+            return twin
+        gate, up, down = (x.weight for x in linears)
+
+        def call(x):
+            rows = _rows(x)
+            kind = type(mlp)
+            if (self.owner.failure is None and self.checked.get(kind, True) and skinny_usable(rows, gate, up)
+                    and skinny_usable(rows.new_empty(rows.shape[0], down.shape[1]), down)):
+                capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+                if kind not in self.checked and capturing:
+                    return twin(x)  # checked on the warm-up step (a capture cannot compare on the host)
+                try:
+                    y = skinny_linear(skinny_gated(rows, gate, up, act), [down])[0].view(*x.shape[:-1], -1)
+                except Exception as error:
+                    self._failed(error)
+                    return twin(x)
+                if kind not in self.checked:
+                    stock = twin(x)
+                    self.checked[kind] = bool((y - stock).abs().max() <= 0.05 * stock.abs().max() + 1e-3)
+                    return y if self.checked[kind] else stock
+                return y
+            return twin(x)
+
+        return call
+
+    def release(self):
+        for kept in self.pending:
+            kept.clear()
+
+
 class FusedModules:
     """``torch.compile``'d twins of a model's norms, dense MLPs and RoPE function, switched on only inside
     ``active()``. One twin per function (a module class's ``forward``, the modeling file's ``apply_rotary_pos_emb``,
@@ -63,6 +201,7 @@ class FusedModules:
         self.families = _rope_families(model)
         self.failure = None
         self._twins = {}
+        self.skinny = SkinnyLinears(self, model)
 
     def _twin(self, fn):
         if fn not in self._twins:
@@ -86,18 +225,26 @@ class FusedModules:
             yield
             return
         modules = [m for m in self.modules if m._compiled_call_impl is None]  # a user's own compile stays
+        linears = [(m, call) for m, call in self.skinny.calls if _plain_linear(m)]  # (hooks added since are kept)
         ropes = [(f, f.apply_rotary_pos_emb) for f in self.families]
         try:
             for module in modules:
-                module._compiled_call_impl = functools.partial(self._twin(type(module).forward), module)
+                twin = functools.partial(self._twin(type(module).forward), module)
+                is_mlp = not type(module).__name__.endswith("RMSNorm")
+                module._compiled_call_impl = self.skinny.mlp_call(module, twin) if is_mlp else twin
+            for module, call in linears:
+                module._compiled_call_impl = call
             for family, rope in ropes:
                 family.apply_rotary_pos_emb = self._twin(rope)
             yield
         finally:
             for module in modules:
                 module._compiled_call_impl = None
+            for module, _ in linears:
+                module._compiled_call_impl = None
             for family, rope in ropes:
                 family.apply_rotary_pos_emb = rope
+            self.skinny.release()
 
 
 class _Captured:

@@ -2,6 +2,7 @@
 what eager steps give: same scores, same tokens, across re-captures (the core outgrowing its reserve), left padding,
 batch sizes, a second generate() and beam search (which reorders the cache every step)."""
 
+import os
 import shutil
 
 import pytest
@@ -79,6 +80,43 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
     assert all(m._compiled_call_impl is None for m in fused.modules if m is not model.model.norm)
     with fused.active():  # after a failure: the stock code
         assert family.apply_rotary_pos_emb is stock_rope and model.model.layers[0].mlp._compiled_call_impl is None
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton products run on a CPU only interpreted")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "phi3"])
+@torch.no_grad()
+def test_skinny_linears_give_the_stock_numbers_and_put_everything_back(family, monkeypatch):
+    """The captured step's Triton products (q/k/v in one launch, o, the gated MLP) on a CPU, interpreted: the logits
+    of a forward of at most 16 rows are the stock model's; more rows keep cuBLAS; leaving ``active()`` restores the
+    stock calls and drops what the q/k/v call kept. Qwen2 has q/k/v biases, Gemma 3 a tanh-GELU MLP, Phi-3 fused
+    projections (nothing to replace: its layers stay stock)."""
+    decode_graph = published.load("decode_graph")
+    monkeypatch.setattr(decode_graph, "_compiled", lambda fn: fn)  # the twins: the stock functions (no compiler)
+    launches = []
+    for name in ("skinny_linear", "skinny_gated"):
+        kernel = getattr(decode_graph, name)
+        monkeypatch.setattr(decode_graph, name, lambda *a, _k=kernel, _n=name: launches.append(_n) or _k(*a))
+    model = _model(torch.float32, family=family, device="cpu")
+    fused = decode_graph.FusedModules(model)
+    layers = model.config.num_hidden_layers
+    calls, launches_per_layer = {"phi3": (1, 1)}.get(family, (4, 2))  # q, k, v, o calls; q/k/v and o launches
+    assert len(fused.skinny.calls) == calls * layers
+    for rows in ((2, 1), (1, 16), (3, 7)):
+        x = torch.randint(3, 96, rows, generator=torch.Generator().manual_seed(sum(rows)))
+        expected = model(x, use_cache=False).logits
+        launches.clear()
+        with fused.active():
+            got = model(x, use_cache=False).logits
+        assert fused.failure is None, fused.failure
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        many = rows[0] * rows[1] > 16
+        gated = 0 if family == "phi3" or many else layers
+        assert launches.count("skinny_gated") == gated
+        assert launches.count("skinny_linear") == (0 if many else launches_per_layer * layers + gated)
+        assert all(not kept for kept in fused.skinny.pending)
+        assert all(m._compiled_call_impl is None for m, _ in fused.skinny.calls)
+        assert all(m._compiled_call_impl is None for m in fused.modules)
+    assert fused.skinny.checked == ({} if family == "phi3" else {type(model.model.layers[0].mlp): True})
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
