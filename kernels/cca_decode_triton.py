@@ -121,8 +121,14 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(ACC, ML, OUT, n_splits, S_PAD: tl.constexpr, D: tl.constexpr):
+def _decode_combine_kernel(ACC, ML, OUT, POS, REAL, s_real, n_heads, n_splits, S_PAD: tl.constexpr, D: tl.constexpr,
+                           ADVANCE: tl.constexpr, HAS_REAL: tl.constexpr):
     pid = tl.program_id(0)  # b * H + h; OUT is (B, H, D) contiguous
+    if ADVANCE:  # count the token into POS: every program of the first kernel has read it (the cache's seen += real)
+        if pid % n_heads == 0:
+            b = pid // n_heads
+            step = (tl.load(REAL + b * s_real) != 0).to(tl.int32) if HAS_REAL else 1
+            tl.store(POS + b, tl.load(POS + b) + step)
     ss = tl.arange(0, S_PAD)
     dd = tl.arange(0, D)
     smask = ss < n_splits
@@ -136,11 +142,19 @@ def _decode_combine_kernel(ACC, ML, OUT, n_splits, S_PAD: tl.constexpr, D: tl.co
     tl.store(OUT + pid * D + dd, out.to(OUT.dtype.element_ty))
 
 
+def _as_loadable(real):
+    return real.view(torch.uint8) if real.dtype == torch.bool else real  # (triton reads a 1-bit pointer as bytes)
+
+
 def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale, num_splits=None, block_n=64,
-                                group_size=None, local_window=None):
+                                group_size=None, local_window=None, advance=None):
     """Same contract as ``cache_cca.cca_decode_attention_torch``: returns (B, H, d) in ``q.dtype``. With ``n_core`` and
-    ``win_lo`` None the kernel derives them from ``pos``, ``group_size`` and ``local_window`` (CCA's visibility)."""
+    ``win_lo`` None the kernel derives them from ``pos``, ``group_size`` and ``local_window`` (CCA's visibility).
+    ``advance`` (True, or (B,) 0/1 of real tokens, any dtype and stride): then added to ``pos`` in place, after every
+    read of it (the cache's count of seen tokens, without a launch of its own)."""
     derive = n_core is None
+    if advance is not None and not derive:
+        raise ValueError("advance counts the token into pos: only with the visibility derived from pos")
     bsz, n_heads, head_dim = q.shape
     n_kv, window = win_k.shape[1], win_k.shape[2]
     n_core_slots = core_k.shape[2]
@@ -174,14 +188,17 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         IEEE=q.dtype == torch.float32, DERIVE=derive, num_warps=4,
     )
     out = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
-    _decode_combine_kernel[(bsz * n_heads,)](acc, ml, out, num_splits, S_PAD=_next_pow2(num_splits), D=head_dim, num_warps=4)
+    real = _as_loadable(advance) if isinstance(advance, torch.Tensor) else pos
+    _decode_combine_kernel[(bsz * n_heads,)](acc, ml, out, pos, real, real.stride(0), n_heads, num_splits,
+                                             S_PAD=_next_pow2(num_splits), D=head_dim, ADVANCE=advance is not None,
+                                             HAS_REAL=isinstance(advance, torch.Tensor), num_warps=4)
     return out
 
 
 @triton.jit
 def _append_pool_kernel(
     Q, K, V, COS, SIN, REAL, SEEN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV,
-    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cb, s_sb,
+    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cb, s_sb, s_real,
     s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_gb, s_gh, s_gn,
     s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn,
     scale, n_kv, W, G,
@@ -197,7 +214,7 @@ def _append_pool_kernel(
     sign = tl.where(dd < HALF, -1.0, 1.0)  # rotate_half(x)[d] = sign[d] * x[rot[d]]
     t = tl.load(SEEN + b).to(tl.int32)
     if HAS_REAL:
-        real = tl.load(REAL + b) != 0
+        real = tl.load(REAL + b * s_real) != 0
     else:
         real = t >= 0
     c = tl.load(COS + b * s_cb + dd).to(tl.float32)
@@ -286,20 +303,21 @@ def _append_pool_kernel(
 
 def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v, group_size, scale,
                              rotated=False):
-    """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE (``rotated``:
-    after the family's RoPE, as transformers' attention modules hand them over; the kernel undoes it for the
-    pre-RoPE keys pooling needs); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the
-    token is not padding (None: all are). Writes ring slots and, where group ``seen // g`` completes, its core token.
-    Returns RoPE'd ``q``."""
+    """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE (``rotated``: after
+    the family's RoPE, as transformers' attention modules hand them over; the kernel undoes it for the pre-RoPE keys
+    pooling needs); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not
+    padding (None: all are; any 0/1 dtype and stride: an attention-mask column as it is). Writes ring slots and,
+    where group ``seen // g`` completes, its core token. Returns RoPE'd ``q``.
+    """
     bsz, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     rep = n_heads // n_kv
     q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
     q_rot = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
-    real = seen if real is None else real.to(torch.int32)
+    real = seen if real is None else _as_loadable(real)
     _append_pool_kernel[(bsz * n_kv,)](
         q, k, v, cos, sin, real, seen, q_rot, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), real.stride(0),
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         grp_k.stride(0), grp_k.stride(1), grp_k.stride(2),
         core_k.stride(0), core_k.stride(1), core_k.stride(2), core_v.stride(0), core_v.stride(1), core_v.stride(2),

@@ -26,9 +26,11 @@ the compressed state; later calls run the decode kernels (one token) or SDPA ove
 complete.
 
 A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
-``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``decode_tensors``); the
-host-side counters (``cols``, ``max_seen``) are advanced outside the replay (``advance``).
+``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``state_version``: assigning
+one numbers it anew); the host-side counters (``cols``, ``max_seen``) are advanced outside the replay (``advance``).
 """
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,7 @@ CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
 EXTEND_BLOCK = 2048  # queries per attention call of a chunked-prefill pass (bounds its visibility mask)
 ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
+_VERSIONS = itertools.count(1)  # one number per state assignment, never reused: a state's version names it exactly
 
 
 def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale):
@@ -113,6 +116,16 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     supports_early_init = False
     force_triton = False  # tests: run the Triton decode kernels on CPU tensors (TRITON_INTERPRET=1)
 
+    TENSORS = ("seen", "core_k", "core_v", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin")
+    _VERSIONED = frozenset(TENSORS + ("record_past",))
+
+    def __setattr__(self, name, value):
+        # A captured decode step (decode_graph.py) is valid while no state tensor was replaced: one comparison of
+        # versions per step instead of one identity check per tensor.
+        if name in self._VERSIONED:
+            super().__setattr__("version", next(_VERSIONS))
+        super().__setattr__(name, value)
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -139,7 +152,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return -1
 
     def _tensors(self):
-        return ("seen", "core_k", "core_v", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin")
+        return self.TENSORS
 
     def reset(self):
         for name in self._tensors():
@@ -212,11 +225,13 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``) against
         the cached state; updates the state."""
-        mask = attention_mask[:, -q.shape[2] :].bool() if attention_mask is not None and attention_mask.dim() == 2 else None
+        mask = attention_mask[:, -q.shape[2] :] if attention_mask is not None and attention_mask.dim() == 2 else None
+        one = q.shape[2] == 1
+        if mask is not None and not (one and self.seen is not None and self._on_kernels(q)):
+            mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
             return self._prefill(q, k, v, cos, sin, mask, scale)
         cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
-        one = q.shape[2] == 1
         # what crop() needs to undo this pass: the state before it (a one-token step writes in place: copies,
         # only when transformers announced a crop; a longer pass replaces the rings: references) and its inputs
         rollback = q.shape[2] <= ROLLBACK and (self.record_past or not one)
@@ -302,9 +317,10 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
                 q[:, :, 0], k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0], real, t, self.win_k, self.win_v,
                 self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale, rotated=rotated,
             )
+            # the kernel also counts the token into ``seen`` in place: where the next (replayed) step reads
             out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v, t, None,
-                                              scale, group_size=g, local_window=s)
-            self.seen.add_(1 if real is None else real.to(t.dtype))  # in place: where the next (replayed) step reads
+                                              scale, group_size=g, local_window=s,
+                                              advance=True if real is None else real)
             self.cols += 1
             self.max_seen += 1
             return out[:, :, None]
@@ -447,6 +463,8 @@ class CCACache(Cache):
     """Per-layer compressed CCA state (see the module docstring). Reads ``group_size``, ``local_window``
     and ``pooling`` from the model's config, so load-time overrides apply."""
 
+    step_real = None  # (B, 1): the real-token column of a decode step being captured (decode_graph.py), else None
+
     def __init__(self, config, **kwargs):
         super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
         self.config = config
@@ -454,6 +472,8 @@ class CCACache(Cache):
     def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False):
         """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``; ``rotated``: post-RoPE, where
         ``decodes_rotated``) for layer ``layer_idx``."""
+        if attention_mask is None and self.step_real is not None:  # a captured step reads its pad column on device
+            attention_mask = self.step_real
         return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated)
 
     def decodes_rotated(self, layer_idx, q) -> bool:
@@ -466,19 +486,27 @@ class CCACache(Cache):
     # --- what a CUDA-graph decode step (decode_graph.py) needs ----------------------------------------------------
     def graphable(self, head_dim: int) -> bool:
         """Whether a one-token step may be replayed from a CUDA graph: every layer is a filled CCA layer on the
-        Triton decode path and no crop was announced (assisted decoding keeps per-step undo copies)."""
-        # The layers share one config: read it once (config lookups dominate this per-step host check).
+        Triton decode path and no crop was announced (assisted decoding keeps per-step undo copies). Checked when a
+        step is captured; replays check ``state_version`` (``record_past`` is versioned like the tensors)."""
         return (all(isinstance(layer, CCALayerCache) and layer.seen is not None and layer.seen.is_cuda
                     and not layer.record_past for layer in self.layers)
                 and bool(self.layers) and self.layers[0].uses_decode_kernels(head_dim))
 
-    def decode_tensors(self, steps: int) -> list:
-        """The tensors a one-token step reads and writes, after reserving core capacity for ``steps`` more steps; a
-        captured step stays valid while these are the same objects."""
+    def reserve(self, steps: int):
+        """Core capacity in every layer for the next ``steps`` one-token steps (a captured step cannot grow it)."""
         group_size = self.config.group_size
         for layer in self.layers:
             layer.reserve(steps, group_size)
-        return [getattr(layer, n) for layer in self.layers for n in layer._tensors()]
+
+    def state_version(self) -> tuple:
+        """Names the state tensors' objects: it changes whenever a layer replaces one (a captured decode step reads
+        and writes fixed addresses, so it is valid exactly while this stays the same)."""
+        return tuple(getattr(layer, "version", None) for layer in self.layers)
+
+    def replay_limit(self) -> int:
+        """The largest first-layer ``max_seen`` at which a one-token step still fits every layer's core capacity."""
+        g, first = self.config.group_size, self.layers[0].max_seen
+        return min(layer.core_k.shape[2] * g - 1 - (layer.max_seen - first) for layer in self.layers)
 
     def host_counters(self) -> list:
         return [(layer.cols, layer.max_seen, layer._undo) for layer in self.layers]
@@ -490,9 +518,10 @@ class CCACache(Cache):
     def advance(self, tokens: int):
         """What a replayed one-token step does on the host: count the column."""
         for layer in self.layers:
-            layer.cols += tokens
-            layer.max_seen += tokens
-            layer._undo = None
+            counters = layer.__dict__  # host counters only: past the versioning __setattr__ (32 layers, every step)
+            counters["cols"] += tokens
+            counters["max_seen"] += tokens
+            counters["_undo"] = None
 
     @staticmethod
     def prepare(config, past_key_values):

@@ -176,6 +176,8 @@ class CCAModelMixin(MethodModelMixin):
             if past_key_values is None or (not isinstance(past_key_values, CCACache)
                                            and past_key_values.get_seq_length() == 0):
                 past_key_values = HFCCACache(self.config)
+        if len(args) == 1 and "input_ids" not in kwargs:  # model(ids, ...): a causal LM's first argument
+            (kwargs["input_ids"],), args = args, ()
         if uses_cca and use_cache and not args:
             logits = self._replayed_decode(past_key_values, kwargs)
             if logits is not None:
@@ -188,21 +190,26 @@ class CCAModelMixin(MethodModelMixin):
 
     def _replayed_decode(self, cache, kwargs):
         """The logits of a one-token step replayed from a CUDA graph, or None where this step runs eagerly."""
-        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
-        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        ids = kwargs.get("input_ids")
+        # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
         if (ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda or self.training
-                or torch.is_grad_enabled() or not getattr(self.config, "cca_cuda_graphs", True)
-                or getattr(self, "_graph_failure", None) or set(kwargs) - self.GRAPH_INPUTS
-                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False
-                or "dynamic" in rope_type or rope_type == "longrope"  # these re-plan their tables on the host
-                or not isinstance(cache, CCACache) or not cache.graphable(head_dim)):
+                or torch.is_grad_enabled() or not isinstance(cache, CCACache)
+                or not getattr(self.config, "cca_cuda_graphs", True) or getattr(self, "_graph_failure", None)
+                or not self.GRAPH_INPUTS.issuperset(kwargs)
+                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
             return None
-        if mask is not None and not bool(mask[:, -1].all()):  # a pad column (the graph takes real tokens only)
-            return None
-        positions = kwargs.get("position_ids")
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        real = None if mask is None else mask[:, -1:]  # the graph reads the pad column on the device
         if positions is None:
             positions = torch.full_like(ids, cache.get_seq_length())
+        graphs = cache.__dict__.get("decode_graphs")
+        logits = None if graphs is None else graphs.replay(cache, ids, positions, real)
+        if logits is not None:
+            return logits
+        rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        if "dynamic" in rope_type or rope_type == "longrope" or not cache.graphable(head_dim):  # (these re-plan
+            return None  # their tables on the host)
         parent = super().forward
 
         def step(input_ids, position_ids):
@@ -214,7 +221,7 @@ class CCAModelMixin(MethodModelMixin):
             if fused is None:
                 fused = self._fused_modules = FusedModules(self)
         graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
-        logits = graphs.step(step, cache, ids, positions, fused)
+        logits = graphs.capture(step, cache, ids, positions, real, fused)
         if fused is not None and fused.failure:
             logger.warning_once(f"CUDA-graph decoding captures the stock norms, MLPs and RoPE: compiling them failed "
                                 f"({fused.failure})")

@@ -2,10 +2,11 @@
 
 An eager step of an 8B model launches hundreds of small kernels from Python; at small batches the GPU waits for the
 CPU. A captured step launches them all at once. A replay reads and writes fixed addresses, so it is valid only while
-the cache's state tensors are the same objects it was captured with (the cache decodes in place and names them:
-``decode_tensors``); anything that replaces one (a prefill, a multi-token pass, a crop, beam reordering, the core
-outgrowing its reserve) makes the next step eager and the step after it captured anew. Host-side counters the
-captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
+the cache's state tensors are the same objects it was captured with (the cache decodes in place and numbers every
+assignment of one: ``state_version``); anything that replaces one (a prefill, a multi-token pass, a crop, beam
+reordering, the core outgrowing its reserve) makes the next step eager and the step after it captured anew. A pad
+column (``attention_mask`` 0 in the last column) is an input of the graph, read on the device: no sync. Host-side
+counters the captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
 
 While a step is warmed up and captured, the model's norms, dense MLPs and RoPE run as ``torch.compile`` twins of
 transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op. The
@@ -248,11 +249,12 @@ class FusedModules:
 
 
 class _Captured:
-    def __init__(self, graph, ids, positions, logits, tensors):
-        self.graph, self.ids, self.positions, self.logits, self.tensors = graph, ids, positions, logits, tensors
+    """A captured step, its static inputs and output, and the cache state it is valid for."""
 
-    def matches(self, tensors) -> bool:
-        return len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
+    def __init__(self, graph, ids, positions, real, logits, version, limit):
+        self.graph, self.ids, self.positions, self.real, self.logits = graph, ids, positions, real, logits
+        self.version, self.limit = version, limit
+        self.all_real = bool(real.all())  # (once, at capture) whether a maskless step may skip copying the column
 
 
 class DecodeGraphs:
@@ -265,45 +267,63 @@ class DecodeGraphs:
         self.replays = 0
         self.unreplayed = 0  # captures not replayed since (beam search reorders the cache every step: stop capturing)
 
-    def step(self, forward, cache, input_ids, position_ids, fused: FusedModules | None = None):
-        """Logits of ``forward(input_ids, position_ids)`` (one token per row), replayed from a graph when one matches
-        the cache's state; otherwise run eagerly and captured for the next step (with ``fused``'s twins active)."""
-        tensors = cache.decode_tensors(steps=2)  # this step and, if it is captured now, the first replay
+    def replay(self, cache, input_ids, position_ids, real):
+        """Logits of one step (one token per row; ``real`` (B, 1) its mask column or None) replayed from the graph of
+        this batch size, or None where there is none valid for the cache's state. The host work before the launch is
+        kept to a few comparisons and copies: the device idles while it runs (generate() syncs once per step)."""
         entry = self.captured.get(input_ids.shape[0])
-        if entry is not None and entry.matches(tensors):
-            entry.ids.copy_(input_ids)
-            entry.positions.copy_(position_ids)
-            entry.graph.replay()
-            cache.advance(1)
-            self.unreplayed = 0
-            self.replays += 1
-            return entry.logits.clone()  # the next replay overwrites the static buffer
+        if entry is None or entry.version != cache.state_version() or cache.layers[0].max_seen > entry.limit:
+            return None
+        entry.ids.copy_(input_ids)
+        entry.positions.copy_(position_ids)
+        if real is not None:
+            entry.real.copy_(real)
+            entry.all_real = False
+        elif not entry.all_real:
+            entry.real.fill_(1)
+            entry.all_real = True
+        entry.graph.replay()
+        cache.advance(1)
+        self.unreplayed = 0
+        self.replays += 1
+        return entry.logits.clone()  # the next replay overwrites the static buffer
+
+    def capture(self, forward, cache, input_ids, position_ids, real, fused: FusedModules | None = None):
+        """Logits of ``forward(input_ids, position_ids)`` run eagerly, and the step captured for the next ones (with
+        ``fused``'s twins active); None (nothing run) where captures stopped paying."""
         self.captured.pop(input_ids.shape[0], None)  # release the stale graph and what it holds first
         if self.unreplayed >= 2:
-            return forward(input_ids, position_ids)
+            return None
         if self.stream is None:
             self.stream = torch.cuda.Stream(input_ids.device)
+        cache.reserve(steps=2)  # this step and the first replay
         ids, positions = input_ids.clone(), position_ids.clone()
+        real = torch.ones_like(ids) if real is None else real.to(ids.dtype, copy=True)
         twins = fused.active if fused is not None else nullcontext
-        # Warm-up on the capture stream (kernels compiled, libraries' lazy state set up) is a real step.
-        self.stream.wait_stream(torch.cuda.current_stream(input_ids.device))
-        with torch.cuda.stream(self.stream), twins():
-            logits = forward(ids, positions)
-        torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
-        counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
-        graph = torch.cuda.CUDAGraph()
+        cache.step_real = real  # the layers read the pad column from this buffer, in the warm-up and the graph
         try:
-            # A layer that syncs with the host (data-dependent MoE routing) cannot be captured: raise before the sync
-            # reaches the capturing stream (which would invalidate it), so the capture ends cleanly.
-            torch.cuda.set_sync_debug_mode("error")
-            with torch.cuda.graph(graph, stream=self.stream), twins():
-                static_logits = forward(ids, positions)
-        except Exception as error:
-            self.failure = f"{type(error).__name__}: {error}"
-            return logits
+            # Warm-up on the capture stream (kernels compiled, libraries' lazy state set up) is a real step.
+            self.stream.wait_stream(torch.cuda.current_stream(input_ids.device))
+            with torch.cuda.stream(self.stream), twins():
+                logits = forward(ids, positions)
+            torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
+            counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # A layer that syncs with the host (data-dependent MoE routing) cannot be captured: raise before the
+                # sync reaches the capturing stream (which would invalidate it), so the capture ends cleanly.
+                torch.cuda.set_sync_debug_mode("error")
+                with torch.cuda.graph(graph, stream=self.stream), twins():
+                    static_logits = forward(ids, positions)
+            except Exception as error:
+                self.failure = f"{type(error).__name__}: {error}"
+                return logits
+            finally:
+                torch.cuda.set_sync_debug_mode(sync_mode)
+                cache.set_host_counters(counters)  # capture ran the Python but none of the kernels
         finally:
-            torch.cuda.set_sync_debug_mode(sync_mode)
-            cache.set_host_counters(counters)  # capture ran the Python but none of the kernels
-        self.captured[input_ids.shape[0]] = _Captured(graph, ids, positions, static_logits, tensors)
+            cache.step_real = None
+        entry = _Captured(graph, ids, positions, real, static_logits, cache.state_version(), cache.replay_limit())
+        self.captured[input_ids.shape[0]] = entry
         self.unreplayed += 1
         return logits

@@ -236,6 +236,15 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b = kern.cca_decode_attention_triton(q, ck, cv, None, wk, wv, pos, None, d**-0.5, num_splits=2, block_n=8,
                                             group_size=g, local_window=s)
         assert (a - b).abs().max().item() < 1e-4, pooling
+        # advance: the kernels count the token into pos after every read of it
+        strided = torch.tensor([[1, 0], [0, 0], [1, 1]])[:, 0]
+        for splits, real in ((3, strided), (1, None), (2, torch.tensor([0, 1, 1]).bool())):
+            moved = pos.clone()
+            b = kern.cca_decode_attention_triton(q, ck, cv, None, wk, wv, moved, None, d**-0.5, num_splits=splits,
+                                                block_n=8, group_size=g, local_window=s,
+                                                advance=True if real is None else real)
+            assert (a - b).abs().max().item() < 1e-4, (pooling, splits)
+            assert moved.tolist() == (pos + (1 if real is None else real.long())).tolist(), (moved, real)
 
     # post-RoPE q/k (rotated=True, YaRN-like attention scaling in the tables) == pre-RoPE q/k: same cache, same q
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -273,6 +282,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         ids = torch.randint(3, 101, (2, 14))
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
+        mask[1, 10] = 0  # a pad column while decoding (the kernels read the mask's int64 column as it is)
         with torch.no_grad():
             out = m(ids[:, :8], attention_mask=mask[:, :8])
             cache, logits = out.past_key_values, [out.logits]
@@ -281,7 +291,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
                 logits.append(out.logits)
             logits = torch.cat(logits, 1)
             err0 = (logits[:1] - m(ids[:1], use_cache=False).logits).abs().max().item()
-            err1 = (logits[1:, 3:] - m(ids[1:, 3:], use_cache=False).logits).abs().max().item()
+            real = mask[1].bool()
+            err1 = (logits[1, real] - m(ids[1:, real], use_cache=False).logits[0]).abs().max().item()
         assert max(err0, err1) < 2e-4, (pooling, g, s, err0, err1)
         assert cache.layers[0].core_k.shape[2] > 0
 

@@ -173,6 +173,59 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
     torch.testing.assert_close(torch.stack(graphed.scores, 1).float(), full, **tol)
 
 
+def test_state_version_names_the_state_tensors():
+    """A captured step is valid while ``state_version`` is unchanged: assigning any state tensor (or announcing a
+    crop) changes it, in-place writes and counters do not, and a step replays only within the reserved core."""
+    cache_mod = published.load("cache_cca")
+    model = _model(torch.float32, device="cpu")
+    x = torch.randint(3, 96, (2, 11))
+    cache = model(x, use_cache=True).past_key_values
+    version = cache.state_version()
+    layer = cache.layers[1]
+    layer.core_k.zero_()
+    layer.seen.add_(0)
+    layer.cols += 1
+    assert cache.state_version() == version
+    for name in cache_mod.CCALayerCache.TENSORS:
+        layer_version = cache.state_version()
+        setattr(layer, name, getattr(layer, name))  # the same object, assigned: conservatively a new state
+        assert cache.state_version() != layer_version, name
+    before = cache.state_version()
+    layer.activate_past_recording()
+    assert cache.state_version() != before
+    cache.reserve(steps=2)
+    g = model.config.cca_group_size
+    limit = cache.replay_limit()
+    assert limit == min(layer.core_k.shape[2] for layer in cache.layers) * g - 1
+    assert cache.layers[0].max_seen + 2 <= limit  # reserve(steps=2) leaves room for this step and the next
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_pad_columns_while_decoding_replay_like_eager_steps():
+    """A pad column in the middle of decoding (attention mask 0 in a step's last column) is a graph input read on
+    the device: replayed steps with and without pads give what eager steps give, and no step runs eagerly for it."""
+    model = _model(torch.float32)
+    x, mask = _prompt(3, 19, pads=(0, 4))
+    steps = torch.randint(3, 96, (3, 24), generator=torch.Generator().manual_seed(5)).cuda()
+    step_mask = torch.ones_like(steps)
+    step_mask[1, 5] = step_mask[2, 6:9] = step_mask[0, 20] = 0
+    runs = []
+    for graphs in (False, True):
+        model.config.cca_cuda_graphs = graphs
+        out = model(x, attention_mask=mask, use_cache=True)
+        cache, cols, logits = out.past_key_values, mask, []
+        for i in range(steps.shape[1]):
+            cols = torch.cat((cols, step_mask[:, i : i + 1]), 1)
+            logits.append(model(steps[:, i : i + 1], attention_mask=cols, past_key_values=cache, use_cache=True).logits)
+        runs.append((torch.cat(logits, 1), cache))
+    (eager, _), (graphed, cache) = runs
+    assert cache.decode_graphs.replays >= steps.shape[1] - 3, cache.decode_graphs.replays  # first step + capture
+    real = step_mask.bool()
+    torch.testing.assert_close(graphed[real], eager[real], atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache.layers[0].seen, mask.sum(1) + step_mask.sum(1))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "stock"])
 @torch.no_grad()
