@@ -33,7 +33,8 @@ from transformers.utils import logging
 from .attention_hooks import MethodModelMixin, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import CCACache, CCALayerCache
-from .decode_graph import DecodeGraphs, FusedModules
+from .cca_reference import apply_rope
+from .decode_graph import DecodeGraphs, FusedModules, take_unrotated
 
 logger = logging.get_logger(__name__)
 
@@ -112,12 +113,17 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise ValueError(f"a {attention_mask.dim()}-D attention mask was passed: CCA's attention pattern is fixed (core "
                          "tokens + local window), so it takes only a 2-D padding mask (batch, columns); load the model "
                          "with attn_implementation='sdpa' to use custom masks without CCA")
+    # While a decode step is captured, the family may leave RoPE to the decode kernel (decode_graph._deferring).
+    unrotated = take_unrotated(query, key)
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 (cos/sin are fp32) while v stays bf16: compute
     # in v's dtype, as autocast would for SDPA (the kernels take one dtype).
     query, key = query.to(value.dtype), key.to(value.dtype)
+    (cos, sin), cache, _ = module._method_ctx
+    if unrotated and not (isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query)):
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)  # (a step the kernel does not decode)
+        unrotated = False
     if sliding_window is not None:
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
-    (cos, sin), cache, _ = module._method_ctx
     settings = CCASettings(module.config)
     if settings.attn_backend == "full":  # the base model's attention: its own sliding window if CCA replaced one
         window = getattr(module.config, "cca_replaced_sliding_window", None)
@@ -126,7 +132,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = full_causal_attention(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2), None
     if isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query):  # a decode step: as given
-        out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling, rotated=True)
+        out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling,
+                                  rotated=not unrotated)
         return out.transpose(1, 2), None
     q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
     if isinstance(cache, CCACache):

@@ -8,8 +8,10 @@ reordering, the core outgrowing its reserve) makes the next step eager and the s
 column (``attention_mask`` 0 in the last column) is an input of the graph, read on the device: no sync. Host-side
 counters the captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
 
-While a step is warmed up and captured, the model's norms, dense MLPs and RoPE run as ``torch.compile`` twins of
+While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
 transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op. The
+family's RoPE of the step's q/k is left to the CCA decode kernel, which rotates them as it writes the cache
+(``_deferring``; other RoPE calls run a compiled twin). The
 linear layers of up to 16 rows run as Triton products (``skinny_triton.py``, ``SkinnyLinears``): one launch for a
 layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. Prefill, training and
 eager steps keep the stock code.
@@ -48,6 +50,29 @@ def _rope_families(model):
 
 
 _COMPILED = {}
+_UNROTATED = {}  # id(k) -> (q, k): one-token q/k a family handed over un-rotated (``_deferring``), strong references
+
+
+def _deferring(rope):
+    """A family's ``apply_rotary_pos_emb`` (``rope``) that, for a one-token step's full-width q/k, leaves them
+    un-rotated: the CCA decode kernel rotates them as it writes the cache, two launches fewer per layer. The attention
+    function takes them back with ``take_unrotated``; anything else is rotated by ``rope``."""
+
+    @functools.wraps(rope)
+    def call(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs or q.dim() != 4 or q.shape[2] != 1 or cos.shape[-1] != q.shape[-1]:
+            return rope(q, k, cos, sin, *args, **kwargs)
+        _UNROTATED[id(k)] = (q, k)
+        return q, k
+
+    call.cca_stock = rope  # what un-rotating code must call (attention_hooks.unrope)
+    return call
+
+
+def take_unrotated(q, k) -> bool:
+    """Whether ``q``/``k`` are the pair ``_deferring`` left un-rotated (then forgotten: each is taken once)."""
+    pair = _UNROTATED.pop(id(k), None)
+    return pair is not None and pair[0] is q and pair[1] is k
 
 
 def _compiled(fn):
@@ -236,9 +261,10 @@ class FusedModules:
             for module, call in linears:
                 module._compiled_call_impl = call
             for family, rope in ropes:
-                family.apply_rotary_pos_emb = self._twin(rope)
+                family.apply_rotary_pos_emb = _deferring(self._twin(rope))
             yield
         finally:
+            _UNROTATED.clear()
             for module in modules:
                 module._compiled_call_impl = None
             for module, _ in linears:

@@ -173,6 +173,36 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
     torch.testing.assert_close(torch.stack(graphed.scores, 1).float(), full, **tol)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the decode kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
+    """Under ``FusedModules.active()`` (a step being captured) the family's RoPE of the step's q/k is skipped and the
+    decode kernel rotates them: the same logits and cache as the stock step, which rotates in transformers."""
+    decode_graph, cache_mod = published.load("decode_graph"), published.load("cache_cca")
+    monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
+    calls = []
+    kernel = cache_mod.cca_decode_append_triton
+    monkeypatch.setattr(cache_mod, "cca_decode_append_triton",
+                        lambda *a, rotated=False, **k: calls.append(rotated) or kernel(*a, rotated=rotated, **k))
+    model = _model(torch.float32, family=family, device="cpu")
+    x, mask = torch.randint(3, 96, (2, 13)), torch.ones(2, 14, dtype=torch.long)
+    mask[1, :3] = 0
+    cache, other = (model(x, attention_mask=mask[:, :13], use_cache=True).past_key_values for _ in range(2))
+    step = dict(input_ids=torch.randint(3, 96, (2, 1)), attention_mask=mask, use_cache=True)
+    stock = model(**step, past_key_values=cache).logits
+    assert calls == [True] * model.config.num_hidden_layers  # transformers rotated, the kernel took them as they are
+    calls.clear()
+    with decode_graph.FusedModules(model).active():
+        twins = model(**step, past_key_values=other).logits
+    assert calls == [False] * model.config.num_hidden_layers  # left un-rotated: the kernel rotated them
+    torch.testing.assert_close(twins, stock, atol=1e-4, rtol=1e-4)
+    for a, b in zip(cache.layers, other.layers):
+        for name in cache_mod.CCALayerCache.TENSORS:
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+    assert not decode_graph._UNROTATED
+
+
 def test_state_version_names_the_state_tensors():
     """A captured step is valid while ``state_version`` is unchanged: assigning any state tensor (or announcing a
     crop) changes it, in-place writes and counters do not, and a step replays only within the reserved core."""
