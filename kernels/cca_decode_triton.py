@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 _SM_COUNT = {}
+EAGER_ROPE_DTYPES = (torch.bfloat16, torch.float32)  # whose eager RoPE rounding the append kernel reproduces exactly
 
 
 def _next_pow2(n: int) -> int:
@@ -196,6 +197,26 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
 
 
 @triton.jit
+def _round_bf16(v):
+    """fp32 ``v`` rounded to bf16's precision (nearest, ties to even), kept in fp32: done on the bits, because the
+    compiler folds a bf16 round trip (``v.to(bf16).to(fp32)``) away."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _eager_rope(x, x_r, c, s, sign):
+    """x * cos + rotate_half(x) * sin (``x_r``: x at rotate_half's indices) rounded as eager PyTorch rounds it in x's
+    dtype (bf16 or fp32): each product, then the sum."""
+    a = x.to(tl.float32) * c
+    b = x_r.to(tl.float32) * sign * s
+    if x.dtype == tl.bfloat16:
+        a, b = _round_bf16(a), _round_bf16(b)
+    return (a + b).to(x.dtype)
+
+
+@triton.jit
 def _append_pool_kernel(
     Q, K, V, COS, SIN, REAL, SEEN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV,
     s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cb, s_sb, s_real,
@@ -226,6 +247,8 @@ def _append_pool_kernel(
     if ROTATED:  # post-RoPE q/k (the family's RoPE, attention scaling included): undo it for the pre-RoPE keys
         c_r = tl.load(COS + b * s_cb + rot).to(tl.float32)
         s_r = tl.load(SIN + b * s_sb + rot).to(tl.float32)
+        if ROTATED == 2:  # pre-RoPE, rotated here as the family would have: then exactly the post-RoPE path
+            k_in, k_in_r = _eager_rope(k_in, k_in_r, c, s, sign), _eager_rope(k_in_r, k_in, c_r, s_r, -sign)
         kf, kf_r = k_in.to(tl.float32), k_in_r.to(tl.float32)
         k = ((kf * c - sign * kf_r * s) / (c * c + s * s)).to(K.dtype.element_ty)
         k_r = ((kf_r * c_r + sign * kf * s_r) / (c_r * c_r + s_r * s_r)).to(K.dtype.element_ty)
@@ -238,8 +261,12 @@ def _append_pool_kernel(
     rmask = rr < R
     heads = j * R + rr
     qp = Q + b * s_qb + heads[:, None] * s_qh
-    if ROTATED:
+    if ROTATED == 1:
         q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(QROT.dtype.element_ty)
+    elif ROTATED == 2:
+        q_rot = _eager_rope(tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0),
+                            tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0),
+                            c[None, :], s[None, :], sign[None, :]).to(QROT.dtype.element_ty)
     else:
         q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * c[None, :]
         q_rot += tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sign * s)[None, :]
@@ -305,10 +332,13 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
                              rotated=False):
     """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE (``rotated``: after
     the family's RoPE, as transformers' attention modules hand them over; the kernel undoes it for the pre-RoPE keys
-    pooling needs); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not
+    pooling needs; ``"eager"``: pre-RoPE, rotated here with the roundings of the family's eager RoPE in q's dtype, then
+    as ``True``: the state of a step that got transformers' rotated tensors, without their launches); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not
     padding (None: all are; any 0/1 dtype and stride: an attention-mask column as it is). Writes ring slots and,
     where group ``seen // g`` completes, its core token. Returns RoPE'd ``q``.
     """
+    if rotated == "eager" and q.dtype not in EAGER_ROPE_DTYPES:
+        raise ValueError(f"rotated='eager' emulates RoPE's rounding in {EAGER_ROPE_DTYPES}, not {q.dtype}")
     bsz, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     rep = n_heads // n_kv
@@ -323,6 +353,6 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
         core_k.stride(0), core_k.stride(1), core_k.stride(2), core_v.stride(0), core_v.stride(1), core_v.stride(2),
         scale, n_kv, win_k.shape[2], group_size,
         R=rep, R_P=_next_pow2(rep), D=head_dim, G_P=_next_pow2(group_size), QUERY_POOL=core_k.shape[1] != n_kv,
-        ROTATED=rotated, HAS_REAL=real is not seen, num_warps=4,
+        ROTATED={False: 0, True: 1, "eager": 2}[rotated], HAS_REAL=real is not seen, num_warps=4,
     )
     return q_rot

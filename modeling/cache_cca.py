@@ -223,8 +223,9 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return self.seen is not None and q.shape[2] == 1 and self._on_kernels(q)
 
     def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
-        """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``) against
-        the cached state; updates the state."""
+        """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``; ``"eager"``:
+        pre-RoPE there, rotated by the decode kernel as the family's eager RoPE rounds) against the cached state;
+        updates the state."""
         mask = attention_mask[:, -q.shape[2] :] if attention_mask is not None and attention_mask.dim() == 2 else None
         one = q.shape[2] == 1
         if mask is not None and not (one and self.seen is not None and self._on_kernels(q)):
@@ -237,7 +238,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         rollback = q.shape[2] <= ROLLBACK and (self.record_past or not one)
         undo = {"cols": self.cols, "state": self._state(clone=one)} if rollback else None
         if rotated:
-            out = self._decode(q, k, v, cos, sin, mask, scale, rotated=True)
+            out = self._decode(q, k, v, cos, sin, mask, scale, rotated=rotated)
         else:
             out = (self._decode if one else self._extend)(q, k, v, cos, sin, mask, scale)
         if undo is not None:  # (a one-token pass is never re-run: crop keeps none or all of it)

@@ -133,7 +133,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return out.transpose(1, 2), None
     if isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query):  # a decode step: as given
         out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling,
-                                  rotated=not unrotated)
+                                  rotated="eager" if unrotated else True)
         return out.transpose(1, 2), None
     q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
     if isinstance(cache, CCACache):

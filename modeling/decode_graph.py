@@ -60,7 +60,8 @@ def _deferring(rope):
 
     @functools.wraps(rope)
     def call(q, k, cos, sin, *args, **kwargs):
-        if args or kwargs or q.dim() != 4 or q.shape[2] != 1 or cos.shape[-1] != q.shape[-1]:
+        if (args or kwargs or q.dim() != 4 or q.shape[2] != 1 or cos.shape[-1] != q.shape[-1]
+                or q.dtype not in (torch.bfloat16, torch.float32)):  # (the kernel's exact roundings: EAGER_ROPE_DTYPES)
             return rope(q, k, cos, sin, *args, **kwargs)
         _UNROTATED[id(k)] = (q, k)
         return q, k

@@ -4,6 +4,7 @@ batch sizes, a second generate() and beam search (which reorders the cache every
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -195,12 +196,49 @@ def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
     calls.clear()
     with decode_graph.FusedModules(model).active():
         twins = model(**step, past_key_values=other).logits
-    assert calls == [False] * model.config.num_hidden_layers  # left un-rotated: the kernel rotated them
+    assert calls == ["eager"] * model.config.num_hidden_layers  # left un-rotated: the kernel rotated them
     torch.testing.assert_close(twins, stock, atol=1e-4, rtol=1e-4)
     for a, b in zip(cache.layers, other.layers):
         for name in cache_mod.CCALayerCache.TENSORS:
             torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
     assert not decode_graph._UNROTATED
+    # fp16 (whose rounding the kernel does not reproduce) and multi-token calls stay with the family's rotation
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    rope = decode_graph._deferring(family.apply_rotary_pos_emb)
+    for q, k, cos in ((torch.randn(2, 4, 1, 16).half(), torch.randn(2, 2, 1, 16).half(), torch.rand(2, 1, 16).half()),
+                      (torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16), torch.rand(2, 3, 16))):
+        for got, expected in zip(rope(q, k, cos, cos), family.apply_rotary_pos_emb(q, k, cos, cos)):
+            assert torch.equal(got, expected)
+    assert not decode_graph._UNROTATED
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_gpu_kernel_rope_rounds_as_the_familys_eager_rope(family, dtype=torch.bfloat16):
+    """``rotated="eager"`` (a captured step's deferred RoPE) writes bit for bit what the kernel writes when handed
+    transformers' rotated q/k in 16-bit (Triton's interpreter does not round to 16-bit as the GPU does: GPU only)."""
+    kern = published.load("cca_decode_triton")
+    model = _model(torch.float32, family=family, device="cpu")
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    torch.manual_seed(0)
+    B, H, Hkv, d, g, W = 3, 32, 8, 128, 16, 1039
+    q, k, v = (torch.randn(B, n, d, dtype=dtype, device="cuda") for n in (H, Hkv, Hkv))
+    ang = torch.rand(B, d // 2, device="cuda") * 100
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).mul(1.1).to(dtype) for f in (torch.cos, torch.sin))  # (scaled)
+    q_post, k_post = family.apply_rotary_pos_emb(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
+    states = []
+    for rotated, qq, kk in ((True, q_post[:, :, 0], k_post[:, :, 0]), ("eager", q, k)):
+        torch.manual_seed(1)
+        st = [torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, W, d), torch.randn(B, Hkv, g, d), torch.randn(B, d),
+              torch.randn(B, d), torch.zeros(B, Hkv, 4, d), torch.zeros(B, Hkv, 4, d)]
+        st = [x.to("cuda", dtype) for x in st]
+        q_rot = kern.cca_decode_append_triton(qq, kk, v, cos, sin, None, torch.tensor([7, 15, 40], device="cuda"),
+                                              *st, g, d**-0.5, rotated=rotated)
+        states.append([q_rot] + st)
+    assert states[1][6].abs().sum() > 0  # a group completed: a core token was pooled
+    for x, y in zip(*states):
+        assert torch.equal(x, y)
 
 
 def test_state_version_names_the_state_tensors():
