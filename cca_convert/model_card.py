@@ -51,9 +51,9 @@ Requirements: `transformers>=5.17` and `torch>=2.11` (older transformers cannot 
 PyTorch reference implementation is used (`cca_attn_backend="triton"` without a GPU is an error that says so).
 `cca_attn_backend="full"` at load time runs plain causal attention with the same weights, for A/B comparisons;
 `attn_implementation="sdpa"` runs the base model's own attention. On CUDA, `generate()` replays each one-token decode
-step from a CUDA graph (captured on the first step, again when the cache's buffers change), with the model's norms,
-MLPs and RoPE compiled by `torch.compile` and its linear layers run as Triton few-row products inside it (the first
-steps take seconds longer); `cca_cuda_graphs=False` at load time decodes eagerly, `cca_compile_decode=False` captures
+step from a CUDA graph (captured on the first step, again when the cache's buffers change), with the model's norms
+and MLPs compiled by `torch.compile`, its linear layers run as Triton few-row products and the step's RoPE done by
+the CCA decode kernel inside it (the first steps take seconds longer); `cca_cuda_graphs=False` at load time decodes eagerly, `cca_compile_decode=False` captures
 the stock code.
 
 {extra}

@@ -12,8 +12,8 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
   function (transformers passes neither to attention functions);
 - ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``), and on CUDA
   replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off),
-  captured with ``torch.compile`` twins of the norms, MLPs and RoPE and Triton few-row products for the linear layers
-  (``cca_compile_decode=False``: the stock code).
+  captured with ``torch.compile`` twins of the norms and MLPs, Triton few-row products for the linear layers and the
+  step's RoPE left to the decode kernel (``cca_compile_decode=False``: the stock code).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on

@@ -217,7 +217,8 @@ class SkinnyLinears:
 class FusedModules:
     """``torch.compile``'d twins of a model's norms, dense MLPs and RoPE function, switched on only inside
     ``active()``. One twin per function (a module class's ``forward``, the modeling file's ``apply_rotary_pos_emb``,
-    which it stands in for while active), shared by all layers and models: Dynamo compiles it once per shape.
+    which it stands in for while active: a one-token step's q/k are left to the decode kernel, ``_deferring``), shared
+    by all layers and models: Dynamo compiles it once per shape.
     A twin that fails to compile or run makes every twin eager again: they are pure functions, so the call is simply
     redone."""
 

@@ -22,3 +22,21 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
             assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
             assert cell["prefill_chunk"] == {1: 48, 2: 32}[row["batch"]]  # at most 64 tokens (rows x chunk)
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
+
+
+def test_decode_benchmark_prefill_rows_shortcut_is_labelled(tmp_path):
+    """``--prefill-rows``: the first rows prefilled for real, their cache rows repeated to the batch; the table says so,
+    and full-static (which builds its own cache) is refused."""
+    base = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--contexts", "40",
+            "--batches", "1,4", "--new-tokens", "4", "--skip", "1", "--group-size", "4", "--local-window", "8",
+            "--prefill-rows", "2"]
+    proc = subprocess.run(base + ["--backends", "cca,full", "--out", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert [r["cells"]["cca"]["prefilled_rows"] for r in rows] == [1, 2]
+    assert all(len(r["cells"]["full"]["steps_ms"]) == 3 for r in rows)
+    assert "| 40 | 4 (2 prefilled, repeated) |" in (tmp_path / "decode.md").read_text()
+    refused = subprocess.run(base + ["--backends", "cca,full-static"], capture_output=True, text=True, cwd=REPO,
+                             timeout=600)
+    assert refused.returncode == 2 and "full-static builds its own" in refused.stderr
