@@ -70,10 +70,20 @@ def _deferring(rope):
     return call
 
 
+class DeferredRopeMismatch(RuntimeError):
+    """The attention function got other q/k than the family's RoPE returned un-rotated: the family changes them in
+    between, so it must rotate them itself. Raised at the first layer's attention, before the cache is touched."""
+
+
 def take_unrotated(q, k) -> bool:
     """Whether ``q``/``k`` are the pair ``_deferring`` left un-rotated (then forgotten: each is taken once)."""
+    if not _UNROTATED:
+        return False
     pair = _UNROTATED.pop(id(k), None)
-    return pair is not None and pair[0] is q and pair[1] is k
+    if pair is not None and pair[0] is q and pair[1] is k:
+        return True
+    _UNROTATED.clear()
+    raise DeferredRopeMismatch("the attention function got other q/k than the family's RoPE returned")
 
 
 def _compiled(fn):
@@ -228,6 +238,7 @@ class FusedModules:
         self.modules = list(_fusable(model))
         self.families = _rope_families(model)
         self.failure = None
+        self.defer_rope = True  # off for a family that changes q/k after its RoPE (DeferredRopeMismatch)
         self._twins = {}
         self.skinny = SkinnyLinears(self, model)
 
@@ -263,7 +274,8 @@ class FusedModules:
             for module, call in linears:
                 module._compiled_call_impl = call
             for family, rope in ropes:
-                family.apply_rotary_pos_emb = _deferring(self._twin(rope))
+                twin = self._twin(rope)
+                family.apply_rotary_pos_emb = _deferring(twin) if self.defer_rope else twin
             yield
         finally:
             _UNROTATED.clear()
@@ -332,8 +344,14 @@ class DecodeGraphs:
         try:
             # Warm-up on the capture stream (kernels compiled, libraries' lazy state set up) is a real step.
             self.stream.wait_stream(torch.cuda.current_stream(input_ids.device))
-            with torch.cuda.stream(self.stream), twins():
-                logits = forward(ids, positions)
+            with torch.cuda.stream(self.stream):
+                try:
+                    with twins():
+                        logits = forward(ids, positions)
+                except DeferredRopeMismatch:  # (raised before any layer's cache was written: the step is redone)
+                    fused.defer_rope = False
+                    with twins():
+                        logits = forward(ids, positions)
             torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
             counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
             graph = torch.cuda.CUDAGraph()

@@ -202,6 +202,21 @@ def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
         for name in cache_mod.CCALayerCache.TENSORS:
             torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
     assert not decode_graph._UNROTATED
+    # a family that hands the attention other q/k than its RoPE returned: refused at the first layer, cache untouched;
+    # the capture then keeps the rotation in transformers (defer_rope off) and redoes the step
+    deferring = decode_graph._deferring
+    monkeypatch.setattr(decode_graph, "_deferring",
+                        lambda rope: lambda *a, **kw: tuple(t.clone() for t in deferring(rope)(*a, **kw)))
+    third = model(x, attention_mask=mask[:, :13], use_cache=True).past_key_values
+    seen = [layer.seen.clone() for layer in third.layers]
+    fused = decode_graph.FusedModules(model)
+    with pytest.raises(decode_graph.DeferredRopeMismatch), fused.active():
+        model(**step, past_key_values=third)
+    assert all(torch.equal(a, layer.seen) for a, layer in zip(seen, third.layers)) and not decode_graph._UNROTATED
+    fused.defer_rope = False
+    with fused.active():
+        torch.testing.assert_close(model(**step, past_key_values=third).logits, stock, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(decode_graph, "_deferring", deferring)
     # fp16 (whose rounding the kernel does not reproduce) and multi-token calls stay with the family's rotation
     family = sys.modules[type(model.model.layers[0].self_attn).__module__]
     rope = decode_graph._deferring(family.apply_rotary_pos_emb)
