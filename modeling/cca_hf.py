@@ -118,12 +118,14 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 (cos/sin are fp32) while v stays bf16: compute
     # in v's dtype, as autocast would for SDPA (the kernels take one dtype).
     query, key = query.to(value.dtype), key.to(value.dtype)
-    (cos, sin), cache, _ = module._method_ctx
-    if unrotated and not (isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query)):
-        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)  # (a step the kernel does not decode)
-        unrotated = False
+    if unrotated:
+        (cos, sin), cache, _ = module._method_ctx
+        if not (isinstance(cache, CCACache) and cache.decodes_rotated(module.layer_idx, query)):
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)  # (a step the kernel won't decode)
+            unrotated = False
     if sliding_window is not None:
         return _sliding_attention(module, query, key, value, attention_mask, scaling, sliding_window), None
+    (cos, sin), cache, _ = module._method_ctx
     settings = CCASettings(module.config)
     if settings.attn_backend == "full":  # the base model's attention: its own sliding window if CCA replaced one
         window = getattr(module.config, "cca_replaced_sliding_window", None)
