@@ -200,13 +200,14 @@ class SkinnyLinears:
         def call(x):
             rows = _rows(x)
             kind = type(mlp)
-            if (self.owner.failure is None and self.checked.get(kind, True) and skinny_usable(rows, gate, up)
-                    and skinny_usable(rows.new_empty(rows.shape[0], down.shape[1]), down)):
+            if self.owner.failure is None and self.checked.get(kind, True) and skinny_usable(rows, gate, up):
                 capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
                 if kind not in self.checked and capturing:
                     return twin(x)  # checked on the warm-up step (a capture cannot compare on the host)
                 try:
-                    y = skinny_linear(skinny_gated(rows, gate, up, act), [down])[0].view(*x.shape[:-1], -1)
+                    h = skinny_gated(rows, gate, up, act)
+                    y = skinny_linear(h, [down])[0] if skinny_usable(h, down) else F.linear(h, down)
+                    y = y.view(*x.shape[:-1], -1)
                 except Exception as error:
                     self._failed(error)
                     return twin(x)
