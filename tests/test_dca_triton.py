@@ -5,18 +5,12 @@ The kernel takes keys rotated once at ``j % s`` (the cache layout) and the numbe
 bf16 tolerance, FlashAttention style: max|tri - ref_fp32| <= 2 * max|ref_bf16 - ref_fp32| + atol.
 """
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.triton_env import triton_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
-if not (HAS_CUDA or INTERPRET):
-    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
 
 def _load(name):

@@ -7,18 +7,13 @@ where ref_bf16 is the reference run on the same inputs cast to bf16.
 """
 
 import functools
-import os
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.triton_env import triton_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton when the kernels are decorated
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
-if not (HAS_CUDA or INTERPRET):
-    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
 
 def _load(name):

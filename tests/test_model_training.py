@@ -12,20 +12,14 @@ poolings, head dims 64/80/128, checkpointing on/off, LoRA on q/k/v, padded batch
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
 
 from tests.factories import TINY, cca_hf_model_from, tiny_base_model
+from tests.triton_env import triton_device
 
-pytest.importorskip("triton")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
-if not (HAS_CUDA or INTERPRET):
-    pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRET, HAS_CUDA, DEVICE = triton_device("the Triton backend")
 
 
 def make_model(heads, kv_heads, head_dim, g, s, pooling, layers=2, seed=0, family="llama"):

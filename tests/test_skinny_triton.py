@@ -3,18 +3,12 @@ counts (not multiples of a tile), 1-16 rows, one to three weights, biases, both 
 
 CPU: only under ``TRITON_INTERPRET=1``, small shapes. GPU: Llama-3.1-8B's shapes in bf16 (``-m gpu``)."""
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.triton_env import triton_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
-if not (HAS_CUDA or INTERPRET):
-    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
 
 def _skinny():
