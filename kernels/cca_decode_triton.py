@@ -332,10 +332,11 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
                              rotated=False):
     """One decoding step's cache update, in place. ``q`` (B, H, d), ``k``/``v`` (B, Hkv, d) pre-RoPE (``rotated``: after
     the family's RoPE, as transformers' attention modules hand them over; the kernel undoes it for the pre-RoPE keys
-    pooling needs; ``"eager"``: pre-RoPE, rotated here with the roundings of the family's eager RoPE in q's dtype, then
-    as ``True``: the state of a step that got transformers' rotated tensors, without their launches); ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not
-    padding (None: all are; any 0/1 dtype and stride: an attention-mask column as it is). Writes ring slots and,
-    where group ``seen // g`` completes, its core token. Returns RoPE'd ``q``.
+    pooling needs; ``"eager"``: pre-RoPE, rotated here with the roundings of the family's eager RoPE in q's dtype,
+    then as ``True``: the state of a step that got transformers' rotated tensors, without their launches);
+    ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not padding (None:
+    all are; any 0/1 dtype and stride: an attention-mask column as it is). Writes ring slots and, where group
+    ``seen // g`` completes, its core token. Returns RoPE'd ``q``.
     """
     if rotated == "eager" and q.dtype not in EAGER_ROPE_DTYPES:
         raise ValueError(f"rotated='eager' emulates RoPE's rounding in {EAGER_ROPE_DTYPES}, not {q.dtype}")

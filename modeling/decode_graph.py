@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 try:
+    from .cca_decode_triton import EAGER_ROPE_DTYPES
     from .skinny_triton import skinny_gated, skinny_linear, usable as skinny_usable
-except ImportError:  # triton is optional
+except ImportError:  # triton is optional (without it no step is captured)
     skinny_gated = skinny_linear = skinny_usable = None
+    EAGER_ROPE_DTYPES = ()
 
 
 def _fusable(model):
@@ -61,7 +63,7 @@ def _deferring(rope):
     @functools.wraps(rope)
     def call(q, k, cos, sin, *args, **kwargs):
         if (args or kwargs or q.dim() != 4 or q.shape[2] != 1 or cos.shape[-1] != q.shape[-1]
-                or q.dtype not in (torch.bfloat16, torch.float32)):  # (the kernel's exact roundings: EAGER_ROPE_DTYPES)
+                or q.dtype not in EAGER_ROPE_DTYPES):  # (the dtypes whose rounding the kernel reproduces)
             return rope(q, k, cos, sin, *args, **kwargs)
         _UNROTATED[id(k)] = (q, k)
         return q, k
