@@ -113,3 +113,28 @@ def test_sliding_window_layers_keep_their_own_attention():
         got = model.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
         want = stock.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_a_decode_steps_inputs_equal_the_stock_preparation():
+    """The one-token step's fast preparation hands forward() exactly what transformers' own method does; every other
+    call (prefill, several tokens, unknown inputs) is the stock method's."""
+    _, cca = stock_and_cca("llama")
+    stock = transformers.GenerationMixin.prepare_inputs_for_generation
+    cache = hf.HFCCACache(cca.config)
+    x, mask = ids(bsz=2, length=9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    calls = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True),
+             dict(next_sequence_length=1, past_key_values=cache, attention_mask=None),
+             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, is_first_iteration=True),
+             dict(next_sequence_length=3, past_key_values=cache, attention_mask=mask, use_cache=True),
+             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, position_ids=mask.cumsum(-1))]
+    for kwargs in calls:
+        got, want = cca.prepare_inputs_for_generation(x, **kwargs), stock(cca, x, **kwargs)
+        assert list(got) == list(want), kwargs
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value) and got[key].is_contiguous(), key
+            else:
+                assert got[key] is value, key
+    step = cca.prepare_inputs_for_generation(x, **calls[0])
+    assert step["input_ids"].data_ptr() != x.data_ptr()  # a copy: generate's ids grow under it
