@@ -115,26 +115,35 @@ def test_sliding_window_layers_keep_their_own_attention():
     assert torch.equal(got, want)
 
 
-def test_a_decode_steps_inputs_equal_the_stock_preparation():
+def test_a_decode_steps_inputs_equal_the_stock_preparation(monkeypatch):
     """The one-token step's fast preparation hands forward() exactly what transformers' own method does; every other
-    call (prefill, several tokens, unknown inputs) is the stock method's."""
+    call (prefill, several tokens, inputs it does not know) is the stock method's."""
     _, cca = stock_and_cca("llama")
     stock = transformers.GenerationMixin.prepare_inputs_for_generation
     cache = hf.HFCCACache(cca.config)
     x, mask = ids(bsz=2, length=9), torch.ones(2, 9, dtype=torch.long)
     mask[0, :3] = 0
-    calls = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True),
-             dict(next_sequence_length=1, past_key_values=cache, attention_mask=None),
-             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, is_first_iteration=True),
-             dict(next_sequence_length=3, past_key_values=cache, attention_mask=mask, use_cache=True),
-             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, position_ids=mask.cumsum(-1))]
-    for kwargs in calls:
-        got, want = cca.prepare_inputs_for_generation(x, **kwargs), stock(cca, x, **kwargs)
+    fast = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True),
+            dict(next_sequence_length=1, past_key_values=cache, attention_mask=None),
+            dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, position_ids=mask.cumsum(-1)),
+            dict(next_sequence_length=1, past_key_values=cache, position_ids=mask[:, -1:], use_cache=True)]
+    slow = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, is_first_iteration=True),
+            dict(next_sequence_length=3, past_key_values=cache, attention_mask=mask, use_cache=True),
+            dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, token_type_ids=mask),
+            dict(next_sequence_length=1, past_key_values=None, attention_mask=mask)]
+    for n, kwargs in enumerate(fast + slow):
+        want = stock(cca, x, **kwargs)
+        stock_calls = []
+        monkeypatch.setattr(transformers.GenerationMixin, "prepare_inputs_for_generation",
+                            lambda *a, **k: stock_calls.append(1) or stock(*a, **k))
+        got = cca.prepare_inputs_for_generation(x, **kwargs)
+        monkeypatch.undo()
+        assert len(stock_calls) == (n >= len(fast)), kwargs
         assert list(got) == list(want), kwargs
         for key, value in want.items():
             if isinstance(value, torch.Tensor):
-                assert torch.equal(got[key], value) and got[key].is_contiguous(), key
+                assert torch.equal(got[key], value) and got[key].stride() == value.stride(), key
             else:
                 assert got[key] is value, key
-    step = cca.prepare_inputs_for_generation(x, **calls[0])
+    step = cca.prepare_inputs_for_generation(x, **fast[0])
     assert step["input_ids"].data_ptr() != x.data_ptr()  # a copy: generate's ids grow under it
