@@ -233,12 +233,14 @@ class CCAModelMixin(MethodModelMixin):
             return None
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         real = None if mask is None else mask[:, -1:]  # the graph reads the pad column on the device
-        if positions is None:
-            positions = torch.full_like(ids, cache.get_seq_length())
+        if positions is None:  # every row's position is the cache's length: filled in place on a replay
+            positions = cache.get_seq_length()
         graphs = cache.__dict__.get("decode_graphs")
         logits = None if graphs is None else graphs.replay(cache, ids, positions, real)
         if logits is not None:
             return logits
+        if isinstance(positions, int):
+            positions = torch.full_like(ids, positions)
         rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         if "dynamic" in rope_type or rope_type == "longrope" or not cache.graphable(head_dim):  # (these re-plan

@@ -311,14 +311,18 @@ class DecodeGraphs:
         self.unreplayed = 0  # captures not replayed since (beam search reorders the cache every step: stop capturing)
 
     def replay(self, cache, input_ids, position_ids, real):
-        """Logits of one step (one token per row; ``real`` (B, 1) its mask column or None) replayed from the graph of
-        this batch size, or None where there is none valid for the cache's state. The host work before the launch is
-        kept to a few comparisons and copies: the device idles while it runs (generate() syncs once per step)."""
+        """Logits of one step (one token per row at ``position_ids``: (B, 1), or one int for every row; ``real`` (B, 1)
+        its mask column or None) replayed from the graph of this batch size, or None where there is none valid for the
+        cache's state. The host work before the launch is kept to a few comparisons and copies: the device idles while
+        it runs (generate() syncs once per step)."""
         entry = self.captured.get(input_ids.shape[0])
         if entry is None or entry.version != cache.state_version() or cache.layers[0].max_seen > entry.limit:
             return None
         entry.ids.copy_(input_ids)
-        entry.positions.copy_(position_ids)
+        if isinstance(position_ids, int):
+            entry.positions.fill_(position_ids)
+        else:
+            entry.positions.copy_(position_ids)
         if real is not None:
             entry.real.copy_(real)
             entry.all_real = False
