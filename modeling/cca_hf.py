@@ -210,8 +210,9 @@ class CCAModelMixin(MethodModelMixin):
         inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format),
                   "past_key_values": past_key_values}
         if (positions := kwargs.pop("position_ids", None)) is not None:
-            last = positions.shape[-1] == 1
-            inputs["position_ids"] = positions if last else positions[..., -1:].clone(memory_format=torch.contiguous_format)
+            if positions.shape[-1] != 1:
+                positions = positions[..., -1:].clone(memory_format=torch.contiguous_format)
+            inputs["position_ids"] = positions
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         inputs.update(kwargs)
