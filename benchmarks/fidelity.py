@@ -15,12 +15,18 @@ issue: after <= before and after <= 1.05 x base at every length.
     python benchmarks/fidelity.py --dca           # the same base with DCA (training-free) from c to 8c
 
 The ``--dca`` row bar (issue #13): DCA's ppl stays within 1.2x of its ppl at c = 2048 up to 8c, while the base's
-(plain RoPE, same weights) grows by more than 3x. KJV has no digits, so the fidelity base cannot retrieve a pass key
-at any length; ``--dca --passkey-base`` instead pretrains a base with 30% of its windows in the validator's passkey
-format (``--passkey-frac`` of the training script; random keys and depths, never the validator's seeds) and adds the
-passkey bar: the base retrieves >= 80% of the keys at c, and DCA stays within 0.2 of that at every length past c.
-Measured on an H200 (2000 steps): that base over-fits KJV (held-out ppl 6227) and retrieves only 5/20 keys at c, so
-the passkey bar is not met yet; the option stays for a better recipe (a larger corpus).
+(plain RoPE, same weights) grows by more than 3x. The KJV books alone are memorised before the base breaks down past c
+that much; ``--commentaries`` pretrains the base on KJV plus ``examples/data/commentaries.txt.xz`` (4.6M tokens), and
+``--rope-theta``, ``--base-steps`` and ``--seed`` vary it (each variant in its own out/fidelity-llama-... folder):
+
+    python benchmarks/fidelity.py --dca --commentaries --rope-theta 1000 --base-steps 1200 --seed 0   # PASS, 3 seeds
+    python benchmarks/fidelity.py --dca --commentaries --passkey-base --passkey-trials 8
+
+KJV has no digits, and no base pretrained on text alone has retrieved a pass key here; ``--passkey-base`` pretrains one with 30%
+of its windows in the validator's passkey format (``--passkey-frac`` of the training script; random keys and depths,
+never the validator's seeds) and adds the passkey bar: the base retrieves >= 80% of the keys at c, and DCA stays within
+0.2 of that at every length past c. On an H100 with ``--commentaries`` (benchmarks/results/
+fidelity-dca-commentaries-h100.md) the base retrieves 90-100% at c and DCA 70-90% at 2c-8c: the bar is missed at 4c-8c.
 """
 
 from __future__ import annotations
@@ -88,11 +94,14 @@ def convert(base: Path, out: Path, g: int, s: int, method: str, steps: int | Non
     return row
 
 
-def dca_row(base: Path, out: Path, passkey: bool) -> tuple[str, bool, dict]:
+def dca_row(base: Path, out: Path, passkey: bool, speed: bool = True,
+            trials: int = PASSKEY_TRIALS) -> tuple[str, bool, dict]:
     cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(REPO / "benchmarks" / "dca_fidelity.yaml"),
            "--output", str(out), "--overwrite", "--force"]
+    if not speed:
+        cmd += ["--set", "validate.speed=false"]
     if passkey:
-        cmd += ["--set", f"validate.passkey_trials={PASSKEY_TRIALS}"]
+        cmd += ["--set", f"validate.passkey_trials={trials}"]
     print("\n$ cca-convert " + " ".join(cmd[3:]), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
@@ -160,6 +169,16 @@ def main() -> int:
     ap.add_argument("--rope-theta", type=float, default=None,
                     help="with --dca: pretrain the base with this RoPE base (default 10000; Llama 3's is 500000) in "
                          "out/fidelity-llama-theta<THETA>")
+    ap.add_argument("--commentaries", action="store_true",
+                    help="with --dca: pretrain the base on KJV plus examples/data/commentaries.txt.xz (4x the text; "
+                         "see prepare_commentaries.py) in out/fidelity-llama-comm...")
+    ap.add_argument("--base-steps", type=int, default=None,
+                    help="with --dca: the base's pretraining steps (default 400; 2000 with --passkey-base)")
+    ap.add_argument("--seed", type=int, default=None, help="with --dca: the base's pretraining seed (default 0)")
+    ap.add_argument("--passkey-trials", type=int, default=None,
+                    help=f"with --passkey-base: trials per depth and length (x 5 depths; default {PASSKEY_TRIALS})")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="with --dca: leave out the prefill timings (when several runs share one GPU)")
     ap.add_argument("--passkey-base", action="store_true",
                     help="with --dca: a base pretrained with passkey windows (out/fidelity-llama-passkey), and the "
                          "passkey bar")
@@ -175,26 +194,43 @@ def main() -> int:
     import triton
 
     env.update(transformers=transformers.__version__, triton=triton.__version__)
-    if args.rope_theta is not None and not args.dca:
-        ap.error("--rope-theta is for the DCA row (--dca)")
+    variants = {"--rope-theta": args.rope_theta, "--commentaries": args.commentaries or None,
+                "--base-steps": args.base_steps, "--seed": args.seed, "--passkey-base": args.passkey_base or None,
+                "--passkey-trials": args.passkey_trials, "--no-speed": args.no_speed or None}
+    for flag, value in variants.items():
+        if value is not None and not args.dca:
+            ap.error(f"{flag} is for the DCA row (--dca)")
     theta = () if args.rope_theta is None else ("--rope-theta", f"{args.rope_theta:g}")
+    extra = (PASSKEY_BASE if args.passkey_base else ()) + theta
+    if args.commentaries:
+        extra += ("--extra-train", str(REPO / "examples" / "data" / "commentaries.txt.xz"))
+    if args.base_steps is not None:
+        extra += ("--steps", str(args.base_steps))  # the last --steps wins over PASSKEY_BASE's
+    if args.seed is not None:
+        extra += ("--seed", str(args.seed))
     if args.base is None:
-        name = "fidelity-llama" + ("-passkey" if args.passkey_base else "")
+        name = "fidelity-llama" + ("-passkey" if args.passkey_base else "") + ("-comm" if args.commentaries else "")
         name += f"-theta{args.rope_theta:g}" if theta else ""
+        name += f"-steps{args.base_steps}" if args.base_steps is not None else ""
+        name += f"-seed{args.seed}" if args.seed is not None else ""
         args.base = REPO / "out" / name
-    pretrain_s = ensure_base(args.base, args.device, (PASSKEY_BASE if args.passkey_base else ()) + theta)
+    pretrain_s = ensure_base(args.base, args.device, extra)
     summary = json.loads((args.base / "training_summary.json").read_text()) if (
         args.base / "training_summary.json").is_file() else {}
     if args.dca:
-        text, ok, data = dca_row(args.base, args.work / "dca", args.passkey_base)
+        text, ok, data = dca_row(args.base, args.work / "dca", args.passkey_base, speed=not args.no_speed,
+                                 trials=args.passkey_trials or PASSKEY_TRIALS)
         print(f"\nDCA on held-out KJV books ({env['device']}, torch {env['torch']}, transformers "
               f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048"
               + (f" with {summary['passkey_frac']:g} of its windows passkey prompts" if summary.get("passkey_frac") else "")
               + (f", RoPE base {summary['rope_theta']:g}" if summary.get("rope_theta") else "")
+              + (f", {summary['steps']} steps, seed {summary['seed']}" if "steps" in summary else "")
+              + (f", plus {', '.join(summary['extra_train'])}" if summary.get("extra_train") else "")
               + f":\n\n{text}\n\n{'PASS' if ok else 'FAIL'}")
         if args.results:
             args.results.parent.mkdir(parents=True, exist_ok=True)
-            flags = " --passkey-base" * args.passkey_base + "".join(" " + x for x in theta)
+            flags = "".join(f" {flag}" if value is True else f" {flag} {value:g}" if isinstance(value, float)
+                            else f" {flag} {value}" for flag, value in variants.items() if value is not None)
             args.results.write_text(f"Command: `python benchmarks/fidelity.py --dca{flags}` ({env['device']}, torch "
                                     f"{env['torch']}, transformers {env['transformers']}, triton {env['triton']}; "
                                     f"base: {summary})\n\n{text}\n")
