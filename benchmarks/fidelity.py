@@ -22,10 +22,10 @@ that much; ``--commentaries`` pretrains the base on KJV plus ``examples/data/com
     python benchmarks/fidelity.py --dca --commentaries --rope-theta 1000 --base-steps 1200 --seed 0   # PASS, 3 seeds
     python benchmarks/fidelity.py --dca --commentaries --passkey-base --passkey-trials 8
 
-KJV has no digits, and no base pretrained on text alone has retrieved a pass key here; ``--passkey-base`` pretrains one with 30%
-of its windows in the validator's passkey format (``--passkey-frac`` of the training script; random keys and depths,
-never the validator's seeds) and adds the passkey bar: the base retrieves >= 80% of the keys at c, and DCA stays within
-0.2 of that at every length past c. On an H100 with ``--commentaries`` (benchmarks/results/
+KJV has no digits, and no base pretrained on text alone has retrieved a pass key here; ``--passkey-base`` pretrains
+one with 30% of its windows in the validator's passkey format (``--passkey-frac`` of the training script; random keys
+and depths, never the validator's seeds) and adds the passkey bar: the base retrieves >= 80% of the keys at c, and DCA
+stays within 0.2 of that at every length past c. On an H100 with ``--commentaries`` (benchmarks/results/
 fidelity-dca-commentaries-h100.md) the base retrieves 90-100% at c and DCA 70-90% at 2c-8c: the bar is missed at 4c-8c.
 """
 
@@ -200,6 +200,8 @@ def main() -> int:
     for flag, value in variants.items():
         if value is not None and not args.dca:
             ap.error(f"{flag} is for the DCA row (--dca)")
+    if args.passkey_trials is not None and (not args.passkey_base or args.passkey_trials < 1):
+        ap.error("--passkey-trials takes a count >= 1, with --passkey-base (the only base that retrieves keys)")
     theta = () if args.rope_theta is None else ("--rope-theta", f"{args.rope_theta:g}")
     extra = (PASSKEY_BASE if args.passkey_base else ()) + theta
     if args.commentaries:
@@ -219,7 +221,7 @@ def main() -> int:
         args.base / "training_summary.json").is_file() else {}
     if args.dca:
         text, ok, data = dca_row(args.base, args.work / "dca", args.passkey_base, speed=not args.no_speed,
-                                 trials=args.passkey_trials or PASSKEY_TRIALS)
+                                 trials=args.passkey_trials or PASSKEY_TRIALS)  # None: the default
         print(f"\nDCA on held-out KJV books ({env['device']}, torch {env['torch']}, transformers "
               f"{env['transformers']}, triton {env['triton']}), base trained at c = 2048"
               + (f" with {summary['passkey_frac']:g} of its windows passkey prompts" if summary.get("passkey_frac") else "")

@@ -85,7 +85,12 @@ def test_extra_training_documents_reach_the_tokenizer_and_the_summary(tmp_path):
     assert not fresh.exists()  # nothing written before the data is read
 
 
-def test_fidelity_base_variants_are_for_the_dca_row():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--commentaries"],
+@pytest.mark.parametrize("args, error", [
+    (["--commentaries"], "--commentaries is for the DCA row (--dca)"),
+    (["--dca", "--passkey-trials", "8"], "--passkey-trials takes a count >= 1, with --passkey-base"),
+    (["--dca", "--passkey-base", "--passkey-trials", "0"], "--passkey-trials takes a count >= 1"),
+])
+def test_fidelity_base_variants_are_refused_where_they_do_nothing(args, error):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), *args],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2 and "--commentaries is for the DCA row (--dca)" in proc.stderr
+    assert proc.returncode == 2 and error in proc.stderr

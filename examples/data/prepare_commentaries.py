@@ -72,8 +72,8 @@ def plain(osis: str) -> str:
 
 def documents(module: str, osis: str) -> list[str]:
     if MODULES[module] == "chapter":  # Treasury of David: one document per psalm (the preface is the first)
-        parts = re.split(r'<chapter\b[^>]*sID="Ps\.\d+"[^>]*/>', osis)
-        return [plain(p) for p in parts if plain(p).strip()]
+        texts = (plain(p) for p in re.split(r'<chapter\b[^>]*sID="Ps\.\d+"[^>]*/>', osis))
+        return [t for t in texts if t.strip()]
     docs = []
     # Matthew Henry: <div osisID="Gen" sID=... type="book"/> opens a book; notes on held-out/finetune books dropped
     for match in re.finditer(r'<div\b[^>]*osisID="(\w+)"[^>]*sID="[^"]*"[^>]*type="book"[^>]*/>(.*?)'
