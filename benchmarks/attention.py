@@ -3,6 +3,7 @@
 Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, batch 1, g=16, s=1024.
   python benchmarks/attention.py --out benchmarks/results            # 4K .. 128K, both pooling modes
   python benchmarks/attention.py --lengths 4096,32768 --sweep        # tune Triton block configs first
+  python benchmarks/attention.py --lengths 32768 --pooling kv --profile --passes fwd,fwd+bwd  # time per kernel
 
 Conventions
 - Median of triton.testing.do_bench. "fwd" is one forward call; "fwd+bwd" is forward plus
@@ -101,10 +102,13 @@ def sweep(L, args, q, k, v, do, cos, sin):
     (summed over pooling modes) in the module's config table for the rest of the run."""
     g, s, scale = args.group_size, args.local_window, q.shape[-1] ** -0.5
     candidates = {
-        "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+        "fwd": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "dq": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
-        "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 64, 4, 3)],
+        "dkdv_raw": [(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)],
+        "dkdv_core": [(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3),
+                      (128, 64, 8, 3), (64, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3)],
     }
+    candidates = {kind: configs for kind, configs in candidates.items() if kind in args.sweep_kernels}
     table = tri._CONFIGS["hopper"]
     total = {}
     for pooling in args.pooling:
@@ -137,6 +141,23 @@ def sweep(L, args, q, k, v, do, cos, sin):
         print(f"sweep: using {kind} config {table[kind][128]}", flush=True)
 
 
+def profile(L, name, fn, inputs, do, passes):
+    """torch.profiler's table of the GPU kernels of one call of ``fn`` per pass (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for pname in passes:
+        call = run_pass(fn, inputs, do, pname == "fwd+bwd")
+        call()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+        print(f"\nprofile L={L} {pname} {name} (3 calls; times are totals over them)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="folder for attention.csv and attention.png")
@@ -153,9 +174,15 @@ def main():
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--sweep", action="store_true", help="first time Triton block-config candidates, keep the best")
     ap.add_argument("--sweep-length", type=int, default=32768)
+    ap.add_argument("--sweep-kernels", default="fwd,dq,dkdv_raw,dkdv_core", help="the kernels whose configs --sweep times")
     ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each CCA Triton call, per pass")
     args = ap.parse_args()
     args.pooling = args.pooling.split(",")
+    args.sweep_kernels = args.sweep_kernels.split(",")
+    unknown = set(args.sweep_kernels) - set(tri._CONFIGS["hopper"])
+    if unknown:
+        ap.error(f"--sweep-kernels: unknown kernel(s) {sorted(unknown)}; choose from {sorted(tri._CONFIGS['hopper'])}")
     lengths = [int(x) for x in args.lengths.split(",")]
     passes = args.passes.split(",")
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -179,6 +206,10 @@ def main():
                 a = tri.cca_attention_triton(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
                 b = ref.cca_attention_reference(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
                 print(f"check L={L} {p}: rel err {((a - b).norm() / b.norm()).item():.2e}", flush=True)
+        if args.profile:
+            for name, (fn, xs, kind) in methods.items():
+                if name.startswith("cca_triton"):
+                    profile(L, name, fn, xs, do, passes)
         entries = {"cca": score_entries(L, args.group_size, args.local_window),
                    "causal": score_entries(L, 0, 0, causal_full=True)}
         for pname in passes:

@@ -432,7 +432,9 @@ class _RopeFn(torch.autograd.Function):
 # (BLOCK_M stacked query rows, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim.
 # Hopper hd128: the fastest of a sweep on an H200 at L=32K, 32/8 heads (benchmarks/attention.py --sweep); the forward
 # again with TMA fetches (2026-11-24, kv pooling: 64x64 2.27 ms, 128x64 2.59, 128x128 2.59; pointers 2.58 at 64x64);
-# the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles.
+# the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles. The raw keys' and
+# the core tokens' dk/dv kernels have a config each (a raw key block meets ~s+g query rows with masked ends, a core
+# block up to L mask-free rows); on an H200 at 32K the sweep's best of each is within noise of the shared one.
 # head_dim 256 (Gemma-style): smaller tiles so that q, k and v tiles fit shared memory, not tuned.
 # Ampere: same tiles, fewer stages (less shared memory). Interpreter (CPU tensors): small tiles so
 # that the tests cross many tile borders.
@@ -440,17 +442,19 @@ _CONFIGS = {
     "hopper": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
+        "dkdv_raw": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
+        "dkdv_core": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
     },
     "ampere": {
         "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
+        "dkdv_raw": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
+        "dkdv_core": {64: (32, 64, 4, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
     },
-    "interpret": {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (32, 16, 4, 1)},
+    "interpret": {"fwd": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv_raw": (32, 16, 4, 1), "dkdv_core": (32, 16, 4, 1)},
     # fp32 inputs (tests, exactness checks) double every tile's shared memory: the bf16 tiles above
     # would ask for up to 288 KB on Hopper. Speed does not matter here, fitting does.
-    "fp32": {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1), "dkdv": (32, 32, 4, 1)},
+    "fp32": {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1), "dkdv_raw": (32, 32, 4, 1), "dkdv_core": (32, 32, 4, 1)},
 }
 _MIN_ROWS_PER_HEAD = 16  # stack at most BLOCK_M // 16 query heads per tile
 
@@ -529,7 +533,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
         BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
     )
 
-    bm, bn, warps, stages = _config("dkdv", dims.block_d, q.device, q.dtype)
+    bm, bn, warps, stages = _config("dkdv_raw", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.rep, bm)
     _dkdv_raw_kernel[(B * dims.Hkv * triton.cdiv(L, bn),)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
@@ -539,6 +543,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
 
     if dims.P == 0:
         return dq, dk, dv, kc.float(), vc.float()
+    bm, bn, warps, stages = _config("dkdv_core", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     n_blocks = B * dims.C * triton.cdiv(dims.P, bn)
     if q.is_cuda:  # enough programs for ~4 waves; each split still gets >= 16 row blocks

@@ -40,3 +40,11 @@ def test_decode_benchmark_prefill_rows_shortcut_is_labelled(tmp_path):
     refused = subprocess.run(base + ["--backends", "cca,full-static"], capture_output=True, text=True, cwd=REPO,
                              timeout=600)
     assert refused.returncode == 2 and "full-static builds its own" in refused.stderr
+
+
+def test_attention_benchmark_refuses_an_unknown_sweep_kernel():
+    """``--sweep-kernels`` names kernels of the config table; a typo fails before anything runs (no GPU needed)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "attention.py"), "--sweep", "--sweep-kernels", "dkdv_core,dkvd"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert "unknown kernel(s) ['dkvd']" in proc.stderr and "dkdv_raw" in proc.stderr
