@@ -434,7 +434,9 @@ class _RopeFn(torch.autograd.Function):
 # again with TMA fetches (2026-11-24, kv pooling: 64x64 2.27 ms, 128x64 2.59, 128x128 2.59; pointers 2.58 at 64x64);
 # the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles. The raw keys' and
 # the core tokens' dk/dv kernels have a config each (a raw key block meets ~s+g query rows with masked ends, a core
-# block up to L mask-free rows); on an H200 at 32K the sweep's best of each is within noise of the shared one.
+# block up to L mask-free rows). Both: 64 rows x 128 keys with 8 warps (2026-11-25, two sweeps on an H200: the whole
+# backward at 128K 87.6-89.6 ms against 88.3-94.4 with 32 x 64 and 4 warps, at 32K within the spread; dk and dv in two
+# launches with larger tiles were 17-76% slower).
 # head_dim 256 (Gemma-style): smaller tiles so that q, k and v tiles fit shared memory, not tuned.
 # Ampere: same tiles, fewer stages (less shared memory). Interpreter (CPU tensors): small tiles so
 # that the tests cross many tile borders.
@@ -442,8 +444,8 @@ _CONFIGS = {
     "hopper": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv_raw": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
-        "dkdv_core": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (16, 32, 4, 2)},
+        "dkdv_raw": {64: (32, 64, 4, 3), 128: (64, 128, 8, 3), 256: (16, 32, 4, 2)},
+        "dkdv_core": {64: (32, 64, 4, 3), 128: (64, 128, 8, 3), 256: (16, 32, 4, 2)},
     },
     "ampere": {
         "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
