@@ -142,7 +142,7 @@ def sweep(L, args, q, k, v, do, cos, sin):
 
 
 def profile(L, name, fn, inputs, do, passes):
-    """torch.profiler's table of the GPU kernels of one call of ``fn`` per pass (after a warm-up call)."""
+    """torch.profiler's table of the GPU kernels of ``fn`` per pass: three calls after a warm-up call."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -174,7 +174,8 @@ def main():
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--sweep", action="store_true", help="first time Triton block-config candidates, keep the best")
     ap.add_argument("--sweep-length", type=int, default=32768)
-    ap.add_argument("--sweep-kernels", default="fwd,dq,dkdv_raw,dkdv_core", help="the kernels whose configs --sweep times")
+    ap.add_argument("--sweep-kernels", default=",".join(tri._CONFIGS["hopper"]),
+                    help="the kernels whose configs --sweep times (default: all)")
     ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each CCA Triton call, per pass")
     args = ap.parse_args()

@@ -432,11 +432,11 @@ class _RopeFn(torch.autograd.Function):
 # (BLOCK_M stacked query rows, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim.
 # Hopper hd128: the fastest of a sweep on an H200 at L=32K, 32/8 heads (benchmarks/attention.py --sweep); the forward
 # again with TMA fetches (2026-11-24, kv pooling: 64x64 2.27 ms, 128x64 2.59, 128x128 2.59; pointers 2.58 at 64x64);
-# the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers, hence their small tiles. The raw keys' and
-# the core tokens' dk/dv kernels have a config each (a raw key block meets ~s+g query rows with masked ends, a core
-# block up to L mask-free rows). Both: 64 rows x 128 keys with 8 warps (2026-11-25, two sweeps on an H200: the whole
-# backward at 128K 87.6-89.6 ms against 88.3-94.4 with 32 x 64 and 4 warps, at 32K within the spread; dk and dv in two
-# launches with larger tiles were 17-76% slower).
+# the dk/dv kernels keep two fp32 [BLOCK_N, d] accumulators in registers: 4 warps hold only small tiles, 8 warps hold
+# 64 rows x 128 keys. The raw keys' and the core tokens' dk/dv kernels have a config each (a raw key block meets ~s+g
+# query rows with masked ends, a core block up to L mask-free rows); both take 64 x 128 with 8 warps (2026-11-25, two
+# sweeps on an H200: the whole backward at 128K 87.6-89.6 ms against 88.3-94.4 with 32 x 64 and 4 warps, at 32K
+# within the spread; dk and dv in two launches with larger tiles were 17-76% slower).
 # head_dim 256 (Gemma-style): smaller tiles so that q, k and v tiles fit shared memory, not tuned.
 # Ampere: same tiles, fewer stages (less shared memory). Interpreter (CPU tensors): small tiles so
 # that the tests cross many tile borders.
