@@ -27,7 +27,7 @@ def _next_pow2(n: int) -> int:
 def _decode_partial_kernel(
     Q, CK, CV, WK, WV, NCORE, POS, LO, ACC, ML,
     s_qb, s_qh, s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn,
-    scale, n_kv, W, core_per_split, win_per_split, n_splits, G, S,
+    scale, n_kv, W, WL, core_per_split, win_per_split, n_splits, G, S,
     R: tl.constexpr, R_PAD: tl.constexpr, R_CORE: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DERIVE: tl.constexpr,
 ):
@@ -90,13 +90,16 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # Raw ring slots [w0, w1): slot i holds position t - ((t - i) mod W); visible when >= lo.
+    # Raw keys: the last WL positions (WL <= W), oldest first, split [w0, w1) of them; position p sits in ring slot
+    # p mod W; visible when >= lo. Splitting positions, not slots, keeps the splits (and so the roundings) of a ring
+    # with the speculative slack (W > WL) those of a ring without it.
     w0 = split * win_per_split
-    w1 = tl.minimum(w0 + win_per_split, W)
+    w1 = tl.minimum(w0 + win_per_split, WL)
     for start in range(w0, w1, BLOCK_N):
-        slot = start + cols
-        spos = t - (((t - slot) % W) + W) % W
-        valid = (slot < w1) & (spos >= lo)
+        off = start + cols
+        spos = t - (WL - 1) + off
+        slot = ((spos % W) + W) % W
+        valid = (off < w1) & (spos >= lo) & (spos >= 0)
         k = tl.load(WK + b * s_wkb + j * s_wkh + slot[:, None] * s_wkn + dd[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -158,6 +161,8 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         raise ValueError("advance counts the token into pos: only with the visibility derived from pos")
     bsz, n_heads, head_dim = q.shape
     n_kv, window = win_k.shape[1], win_k.shape[2]
+    # the positions a query may see raw: s + g - 1 (a ring with the cache's speculative slack holds more)
+    visible = min(window, local_window + group_size - 1) if derive else window
     n_core_slots = core_k.shape[2]
     rep = n_heads // n_kv
     query_pool = core_k.shape[1] != n_kv
@@ -173,10 +178,10 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
             target = 2 * _SM_COUNT[dev]
         else:
             target = 8
-        useful = max(1, triton.cdiv(n_core_slots, 4 * bn_core), triton.cdiv(window, block_n))
+        useful = max(1, triton.cdiv(n_core_slots, 4 * bn_core), triton.cdiv(visible, block_n))
         num_splits = max(1, min(triton.cdiv(target, bsz * n_kv), useful, 128))
     core_per_split = triton.cdiv(triton.cdiv(n_core_slots, num_splits), bn_core) * bn_core
-    win_per_split = triton.cdiv(window, num_splits)
+    win_per_split = triton.cdiv(visible, num_splits)
     acc = torch.empty(bsz * n_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz * n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     _decode_partial_kernel[(bsz * n_kv, num_splits)](
@@ -184,7 +189,7 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         q.stride(0), q.stride(1), core_k.stride(0), core_k.stride(1), core_k.stride(2),
         core_v.stride(0), core_v.stride(1), core_v.stride(2), win_k.stride(0), win_k.stride(1), win_k.stride(2),
         win_v.stride(0), win_v.stride(1), win_v.stride(2),
-        scale, n_kv, window, core_per_split, win_per_split, num_splits, group_size or 1, local_window or 1,
+        scale, n_kv, window, visible, core_per_split, win_per_split, num_splits, group_size or 1, local_window or 1,
         R=rep, R_PAD=max(16, _next_pow2(rep)), R_CORE=r_core, D=head_dim, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DERIVE=derive, num_warps=4,
     )
@@ -222,7 +227,7 @@ def _append_pool_kernel(
     s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cb, s_sb, s_real,
     s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_gb, s_gh, s_gn,
     s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn,
-    scale, n_kv, W, G,
+    scale, n_kv, W, G, GW, M,
     R: tl.constexpr, R_P: tl.constexpr, D: tl.constexpr, G_P: tl.constexpr, QUERY_POOL: tl.constexpr,
     ROTATED: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
@@ -277,18 +282,19 @@ def _append_pool_kernel(
     on = dd < lim  # (a vector mask: the interpreter rejects scalar & vector masks)
     tl.store(WK + b * s_wkb + j * s_wkh + (t % W) * s_wkn + dd, k_rot, mask=on)
     tl.store(WV + b * s_wvb + j * s_wvh + (t % W) * s_wvn + dd, v, mask=on)
-    tl.store(GK + b * s_gb + j * s_gh + (t % G) * s_gn + dd, k, mask=on)
+    tl.store(GK + b * s_gb + j * s_gh + (t % GW) * s_gn + dd, k, mask=on)
     cur_mid = (t % G) == (G // 2)
     on_mid = dd < tl.where(cur_mid & (j == 0), lim, 0)
-    tl.store(MIDC + b * D + dd, c.to(MIDC.dtype.element_ty), mask=on_mid)
-    tl.store(MIDS + b * D + dd, s.to(MIDS.dtype.element_ty), mask=on_mid)
+    mid = b * M * D + ((t // G) % M) * D + dd  # the group middle's tables: ring of M groups
+    tl.store(MIDC + mid, c.to(MIDC.dtype.element_ty), mask=on_mid)
+    tl.store(MIDS + mid, s.to(MIDS.dtype.element_ty), mask=on_mid)
 
     if real & ((t % G) == G - 1):  # this token completes group t // G: pool it
         if cur_mid:  # the middle is this very position (g <= 2)
             mc, ms = c, s
         else:
-            mc = tl.load(MIDC + b * D + dd).to(tl.float32)
-            ms = tl.load(MIDS + b * D + dd).to(tl.float32)
+            mc = tl.load(MIDC + mid).to(tl.float32)
+            ms = tl.load(MIDS + mid).to(tl.float32)
         gi = tl.arange(0, G_P)
         old = gi < G - 1
         cur = (gi == G - 1)[:, None]
@@ -298,7 +304,7 @@ def _append_pool_kernel(
         kr_g = tl.where(cur, k_rot[None, :], kr_g).to(tl.float32)
         v_g = tl.load(WV + b * s_wvb + j * s_wvh + (gpos % W)[:, None] * s_wvn + dd[None, :], mask=old[:, None], other=0.0)
         v_g = tl.where(cur, v[None, :], v_g).to(tl.float32)
-        gp = GK + b * s_gb + j * s_gh + (gpos % G)[:, None] * s_gn
+        gp = GK + b * s_gb + j * s_gh + (gpos % GW)[:, None] * s_gn
         kp_g = tl.where(cur, k[None, :], tl.load(gp + dd[None, :], mask=old[:, None], other=0.0)).to(tl.float32)
         kq_g = tl.where(cur, k_r[None, :], tl.load(gp + rot[None, :], mask=old[:, None], other=0.0))
         kq_g = kq_g.to(tl.float32) * sign[None, :]  # rotate_half of the pre-RoPE keys (RoPE is linear)
@@ -336,7 +342,9 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
     then as ``True``: the state of a step that got transformers' rotated tensors, without their launches);
     ``cos``/``sin`` (B, d) of the new position ``seen`` (B,); ``real`` (B,) whether the token is not padding (None:
     all are; any 0/1 dtype and stride: an attention-mask column as it is). Writes ring slots and, where group
-    ``seen // g`` completes, its core token. Returns RoPE'd ``q``.
+    ``seen // g`` completes, its core token. Returns RoPE'd ``q``. The rings may be longer than needed (the cache's
+    speculative slack): ``win_k/v`` and ``grp_k`` are indexed by position modulo their length, ``mid_cos/sin`` (B, d)
+    or (B, M, d), contiguous, hold the middles' tables of M groups (slot ``group % M``).
     """
     if rotated == "eager" and q.dtype not in EAGER_ROPE_DTYPES:
         raise ValueError(f"rotated='eager' emulates RoPE's rounding in {EAGER_ROPE_DTYPES}, not {q.dtype}")
@@ -352,7 +360,7 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         grp_k.stride(0), grp_k.stride(1), grp_k.stride(2),
         core_k.stride(0), core_k.stride(1), core_k.stride(2), core_v.stride(0), core_v.stride(1), core_v.stride(2),
-        scale, n_kv, win_k.shape[2], group_size,
+        scale, n_kv, win_k.shape[2], group_size, grp_k.shape[2], mid_cos.shape[1] if mid_cos.dim() == 3 else 1,
         R=rep, R_P=_next_pow2(rep), D=head_dim, G_P=_next_pow2(group_size), QUERY_POOL=core_k.shape[1] != n_kv,
         ROTATED={False: 0, True: 1, "eager": 2}[rotated], HAS_REAL=real is not seen, num_warps=4,
     )

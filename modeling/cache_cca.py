@@ -10,7 +10,14 @@ Per layer, for a batch of ``B`` sequences where sequence ``b`` has seen ``T_b`` 
   positions, all inside the ring; the ring also always holds the group just completed (``W >= g``).
 - ``grp_k`` (B, Hkv, g, d): pre-RoPE keys of the last ``g`` positions (ring, ``position % g``): pooling
   combines pre-RoPE keys and rotates the result at the group middle.
-- ``mid_cos, mid_sin`` (B, d): rotary tables of the current group's middle position.
+- ``mid_cos, mid_sin`` (B, 1, d): rotary tables of the current group's middle position.
+
+Speculative decoding (``activate_past_recording``, which ``generate()`` calls for assisted and prompt-lookup
+decoding, before the prefill): the rings keep ``SPECULATIVE_SLACK`` more positions (``W + slack``, ``g + slack``) and
+the middles' tables of ``slack // g + 2`` groups (slot ``group % M``). A rejected draft token then overwrites only
+slots that no later query reads, so dropping up to ``slack`` columns (``crop``) just counts them out of ``seen``, in
+place: nothing is copied per step, nothing re-run, and captured steps stay valid. Passes of up to ``slack`` tokens run
+on the decode kernels token by token (a verification pass: what ``decode_graph.py`` captures).
 
 Memory per layer and sequence: ``(T/g)*C*2 + (s+g-1)*Hkv*2 + g*Hkv`` vectors of ``d`` values, against
 ``2*T*Hkv`` for a full cache (``cache_bytes`` below computes it).
@@ -49,6 +56,7 @@ CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
 EXTEND_BLOCK = 2048  # queries per attention call of a chunked-prefill pass (bounds its visibility mask)
 ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
+SPECULATIVE_SLACK = 32  # extra ring positions while transformers records the past: columns crop() drops in place
 _VERSIONS = itertools.count(1)  # one number per state assignment, never reused: a state's version names it exactly
 
 
@@ -90,11 +98,12 @@ def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win
     return out.reshape(bsz, n_heads, head_dim).to(q.dtype)
 
 
-def _ring_gather(x: torch.Tensor, seen: torch.Tensor, size: int) -> torch.Tensor:
-    """Ring of ``size`` slots holding the last ``size`` positions of rows whose tokens are ``x[:, :, :seen_b]``."""
+def _ring_gather(x: torch.Tensor, seen: torch.Tensor, size: int, start: int = 0) -> torch.Tensor:
+    """Ring of ``size`` slots holding the last ``size`` positions of rows that have seen ``seen_b`` tokens, slot
+    ``position % size`` (as the decode steps index it), from ``x[:, :, i]`` = position ``start + i``."""
     slot = torch.arange(size, device=x.device)
     last = (seen - 1)[:, None]
-    src = (last - torch.remainder(last - slot, size)).clamp(0, x.shape[2] - 1)  # (B, size)
+    src = (last - torch.remainder(last - slot, size) - start).clamp(0, x.shape[2] - 1)  # (B, size)
     return x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
@@ -134,6 +143,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.seen = None  # (B,) real tokens per sequence
         self.record_past = False  # transformers asks this of caches it may crop after a one-token step
         self._undo = None  # how to go back to the start of the last forward pass (see crop)
+        self.slack = 0  # ring positions kept beyond the spec's window: columns crop() drops in place
+        self._tail = []  # (columns, their attention-mask columns or None) of the last passes, >= slack columns
 
     # --- transformers Cache layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -157,7 +168,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def reset(self):
         for name in self._tensors():
             setattr(self, name, None)
-        self.cols = self.max_seen = 0
+        self.cols = self.max_seen = self.slack = 0
+        self._tail = []
 
     def _map(self, fn):
         if self.seen is not None:
@@ -180,14 +192,56 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         state.update(cols=self.cols, max_seen=self.max_seen)
         return state
 
-    def crop(self, tokens_to_remove: int):
+    def _note(self, n: int, mask):
+        """Remember the last passes' columns (and their mask columns) that an in-place crop may count out."""
+        if self.slack:
+            tail = self._tail
+            tail.append((n, mask))
+            total = sum(cols for cols, _ in tail)
+            while total - tail[0][0] >= self.slack:
+                total -= tail.pop(0)[0]
+
+    def dropped_in_place(self, keep: int):
+        """The real tokens per row (an int where every dropped column is real, else a (B,) tensor) that an in-place
+        crop to ``keep`` columns counts out of ``seen``, and the fewest of them (an int: one sync where the columns
+        have a mask); None where the crop cannot be done in place."""
+        drop = self.cols - keep
+        if not 0 < drop <= self.slack or sum(n for n, _ in self._tail) < drop:
+            return None
+        count, need = 0, drop
+        for n, mask in reversed(self._tail):
+            take = min(n, need)
+            count = count + (take if mask is None else (mask[:, n - take:] != 0).sum(-1))
+            need -= take
+            if not need:
+                return count, count if isinstance(count, int) else int(count.min())
+        return None
+
+    def crop(self, tokens_to_remove: int, dropped=None):
         """Drop the last columns again (rejected draft tokens): ``-n`` drops ``n``, 0 is a no-op (transformers >=
-        5.18), a positive value is the length to keep (older versions). Pooled groups cannot be un-pooled, so this
-        goes back at most to the start of the last forward pass (the verification pass of assisted or
-        prompt-lookup decoding), at most ROLLBACK columns: it restores the state from before that pass and
-        re-runs the pass's kept columns, which gives exactly the state of a run that never saw the dropped ones."""
+        5.18), a positive value is the length to keep (older versions).
+
+        With the speculative slack (see the module docstring), up to ``slack`` columns are counted out of ``seen`` in
+        place (``dropped``: ``dropped_in_place``'s counts, computed once for all layers by ``CCACache.crop``).
+        Otherwise pooled groups cannot be un-pooled, so this goes back at most to the start of the last forward pass
+        (the verification pass of assisted or prompt-lookup decoding), at most ROLLBACK columns: it restores the state
+        from before that pass and re-runs the pass's kept columns. Either way the state is exactly that of a run that
+        never saw the dropped columns."""
         keep = crop_length(self.cols, tokens_to_remove)
         if keep == self.cols:
+            return
+        dropped = self.dropped_in_place(keep) if dropped is None else dropped
+        if dropped is not None:
+            (count, fewest), drop = dropped, self.cols - keep
+            self.seen.sub_(count)  # (in place: a captured step reads it)
+            self.cols = keep
+            self.max_seen -= fewest  # (still an upper bound of every row's count)
+            while drop:  # forget the dropped columns' masks
+                n, mask = self._tail.pop()
+                if n > drop:
+                    self._tail.append((n - drop, None if mask is None else mask[:, : n - drop]))
+                drop = max(0, drop - n)
+            self._undo = None
             return
         undo = self._undo
         if undo is None or keep < undo["cols"]:
@@ -198,7 +252,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
                 f"{undo['cols'] if undo else 'an unknown column'}")
         self._undo = None
         if "tail" in undo:  # the prefill: its pooled groups stay, its rings are rebuilt from the kept prompt tail
-            self._rings_from(*undo["tail"], self.seen - (self.cols - keep), keep)
+            self._rings_from(*undo["tail"], self.seen - (self.cols - keep), keep, self.slack)
+            self._tail = []
             return
         for name, value in undo["state"].items():
             setattr(self, name, value)
@@ -220,30 +275,39 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def decodes_rotated(self, q) -> bool:
         """Whether this one-token step can take transformers' post-RoPE q/k as they are (the Triton decode kernels
         undo RoPE themselves where pooling needs pre-RoPE keys: no un-rotation kernels per layer)."""
-        return self.seen is not None and q.shape[2] == 1 and self._on_kernels(q)
+        return self.seen is not None and self._token_steps(q)
+
+    def _token_steps(self, q) -> bool:
+        """Whether this pass runs the decode kernels token by token: one token, or a verification pass within the
+        speculative slack (a crop of it is done in place)."""
+        return (q.shape[2] == 1 or q.shape[2] <= self.slack) and self._on_kernels(q)
 
     def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``; ``"eager"``:
         pre-RoPE there, rotated by the decode kernel as the family's eager RoPE rounds) against the cached state;
         updates the state."""
-        mask = attention_mask[:, -q.shape[2] :] if attention_mask is not None and attention_mask.dim() == 2 else None
-        one = q.shape[2] == 1
-        if mask is not None and not (one and self.seen is not None and self._on_kernels(q)):
+        n = q.shape[2]
+        mask = attention_mask[:, -n:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        one = n == 1
+        token_steps = self.seen is not None and self._token_steps(q)
+        if mask is not None and not token_steps:
             mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
             return self._prefill(q, k, v, cos, sin, mask, scale)
         cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
-        # what crop() needs to undo this pass: the state before it (a one-token step writes in place: copies,
-        # only when transformers announced a crop; a longer pass replaces the rings: references) and its inputs
-        rollback = q.shape[2] <= ROLLBACK and (self.record_past or not one)
+        # what crop() needs to undo this pass, unless it can drop it in place (the slack): the state before it (a
+        # one-token step writes in place: copies, only when transformers announced a crop; a longer pass replaces the
+        # rings: references) and its inputs
+        rollback = n > self.slack and n <= ROLLBACK and (self.record_past or not one)
         undo = {"cols": self.cols, "state": self._state(clone=one)} if rollback else None
-        if rotated:
+        if rotated or one or token_steps:
             out = self._decode(q, k, v, cos, sin, mask, scale, rotated=rotated)
         else:
-            out = (self._decode if one else self._extend)(q, k, v, cos, sin, mask, scale)
+            out = self._extend(q, k, v, cos, sin, mask, scale)
         if undo is not None:  # (a one-token pass is never re-run: crop keeps none or all of it)
             undo["inputs"] = (q, k, v, cos, sin, mask, scale)
         self._undo = undo
+        self._note(n, mask)
         return out
 
     def uses_decode_kernels(self, head_dim: int) -> bool:
@@ -272,7 +336,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def _prefill(self, q, k, v, cos, sin, mask, scale):
         cfg = self.config
         bsz, _, seq_len, _ = q.shape
-        window = cfg.local_window + cfg.group_size - 1
+        slack = SPECULATIVE_SLACK if self.record_past else 0
+        window = cfg.local_window + cfg.group_size - 1 + slack
         cos, sin = cos.expand(bsz, -1, -1), sin.expand(bsz, -1, -1)
         n_pad = left_padding(mask)
         if n_pad is not None:  # real tokens first, as in the no-cache path
@@ -287,22 +352,29 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         # rings would then be rebuilt from
         start = max(0, (int(seen.min()) if mask is not None else seq_len) - window - ROLLBACK)  # one sync
         tail = (k[:, :, start:], v[:, :, start:], cos[:, start:], sin[:, start:], start)
-        self._rings_from(*tail, seen, seq_len)
+        self._tail = []
+        self._rings_from(*tail, seen, seq_len, slack)
         self._undo = {"cols": max(0, seq_len - ROLLBACK), "tail": tail}
+        self._note(seq_len, mask)
         return out
 
-    def _rings_from(self, k, v, cos, sin, start, seen, cols):
+    def _rings_from(self, k, v, cos, sin, start, seen, cols, slack):
         """The rings and group-middle tables of rows that have seen ``seen`` real tokens (real tokens first),
-        from their keys/values/tables at columns ``start ..``."""
-        g, window = self.config.group_size, self.config.local_window + self.config.group_size - 1
-        rel = seen - start
+        from their keys/values/tables at columns ``start ..``; ``slack``: the speculative slack (module docstring)."""
+        g = self.config.group_size
+        window, n_mid = self.config.local_window + g - 1 + slack, slack // g + 2 if slack else 1
         # Only the window's keys are kept rotated: rotate those rows, not the whole prompt again.
-        cos_w, sin_w = (_ring_gather(x[:, None], rel, window) for x in (cos, sin))
-        self.win_k, self.win_v = apply_rope(_ring_gather(k, rel, window), cos_w, sin_w), _ring_gather(v, rel, window)
-        self.grp_k = _ring_gather(k, rel, g)
-        mid = ((seen // g) * g + g // 2 - start).clamp(0, cos.shape[1] - 1)[:, None]  # current group's middle
-        self.mid_cos, self.mid_sin = _rows(cos, mid, 1)[:, 0], _rows(sin, mid, 1)[:, 0]
-        self.seen, self.cols, self.max_seen = seen, cols, cols
+        cos_w, sin_w = (_ring_gather(x[:, None], seen, window, start) for x in (cos, sin))
+        self.win_k = apply_rope(_ring_gather(k, seen, window, start), cos_w, sin_w)
+        self.win_v = _ring_gather(v, seen, window, start)
+        self.grp_k = _ring_gather(k, seen, g + slack, start)
+        # the middles of the current group and the n_mid - 1 before it (those not seen yet: overwritten when seen)
+        group = (seen // g)[:, None] - (n_mid - 1) + torch.arange(n_mid, device=seen.device)  # (B, n_mid)
+        mid = (group * g + g // 2 - start).clamp(0, cos.shape[1] - 1)
+        slot = (group % n_mid)[..., None].expand(-1, -1, cos.shape[-1])
+        self.mid_cos, self.mid_sin = (x.new_empty(x.shape[0], n_mid, x.shape[-1]).scatter_(1, slot, _rows(x, mid, 1))
+                                      for x in (cos, sin))
+        self.seen, self.cols, self.max_seen, self.slack = seen, cols, cols, slack
 
     def _decode(self, q, k, v, cos, sin, mask, scale, rotated=False):
         cfg = self.config
@@ -310,23 +382,29 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         bsz, _, _, head_dim = q.shape
         window = self.win_k.shape[2]
         t = self.seen  # position of the new token, per sequence
+        n = q.shape[2]
         if self._on_kernels(q):
-            # a few launches per layer, all writes in place (a CUDA graph can replay the step: decode_graph.py)
-            self._grow_core(self.max_seen // g + 1)
-            real = None if mask is None else mask[:, 0]
-            q_rot = cca_decode_append_triton(
-                q[:, :, 0], k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0], real, t, self.win_k, self.win_v,
-                self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale, rotated=rotated,
-            )
-            # the kernel also counts the token into ``seen`` in place: where the next (replayed) step reads
-            out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v, t, None,
-                                              scale, group_size=g, local_window=s,
-                                              advance=True if real is None else real)
-            self.cols += 1
-            self.max_seen += 1
-            return out[:, :, None]
+            # a few launches per layer and token, all writes in place (a CUDA graph can replay the step:
+            # decode_graph.py); the tokens of a verification pass one after another, each as a one-token step
+            self._grow_core((self.max_seen + n) // g + 1)
+            outs = []
+            for i in range(n):
+                real = None if mask is None else mask[:, i]
+                q_rot = cca_decode_append_triton(
+                    q[:, :, i], k[:, :, i], v[:, :, i], cos[:, i], sin[:, i], real, t, self.win_k, self.win_v,
+                    self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale, rotated=rotated,
+                )
+                # the kernel also counts the token into ``seen`` in place: where the next token (or step) reads
+                outs.append(cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v,
+                                                        t, None, scale, group_size=g, local_window=s,
+                                                        advance=True if real is None else real))
+            self.cols += n
+            self.max_seen += n
+            return outs[0][:, :, None] if n == 1 else torch.stack(outs, 2)
         if rotated:
             raise RuntimeError("post-RoPE q/k reach CCA's decode only on the Triton path (see decodes_rotated)")
+        if n != 1:
+            raise RuntimeError("several tokens reach the PyTorch decode step only through _extend")
         real = mask[:, 0] if mask is not None else torch.ones_like(t, dtype=torch.bool)
         q_rot, k_rot = apply_rope(q, cos, sin)[:, :, 0], apply_rope(k, cos, sin)[:, :, 0]
         rows = torch.arange(bsz, device=q.device)
@@ -334,12 +412,13 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         def put(buf, slot, val):  # buf[b, :, slot_b] = val[b] where the token is real
             buf[rows, :, slot] = torch.where(real[:, None, None], val, buf[rows, :, slot])
 
+        gw, mid = self.grp_k.shape[2], (t // g) % self.mid_cos.shape[1]  # ring sizes: see the speculative slack
         put(self.win_k, t % window, k_rot)
         put(self.win_v, t % window, v[:, :, 0])
-        put(self.grp_k, t % g, k[:, :, 0])
+        put(self.grp_k, t % gw, k[:, :, 0])
         is_mid = (real & (t % g == g // 2))[:, None]
-        self.mid_cos = torch.where(is_mid, cos[:, 0], self.mid_cos)
-        self.mid_sin = torch.where(is_mid, sin[:, 0], self.mid_sin)
+        self.mid_cos[rows, mid] = torch.where(is_mid, cos[:, 0], self.mid_cos[rows, mid])
+        self.mid_sin[rows, mid] = torch.where(is_mid, sin[:, 0], self.mid_sin[rows, mid])
 
         n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
         out = cca_decode_attention_torch(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
@@ -350,9 +429,9 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         grp = t[:, None] - (g - 1) + torch.arange(g, device=q.device)  # (B, g) positions t-g+1 .. t
         k_rot_g = _rows(self.win_k, grp % window, 2)
         v_g = _rows(self.win_v, grp % window, 2)
-        k_g = _rows(self.grp_k, grp % g, 2)
-        cos_g = self.mid_cos[:, None].expand(-1, g, -1)
-        sin_g = self.mid_sin[:, None].expand(-1, g, -1)
+        k_g = _rows(self.grp_k, grp % gw, 2)
+        cos_g = self.mid_cos[rows, mid][:, None].expand(-1, g, -1)
+        sin_g = self.mid_sin[rows, mid][:, None].expand(-1, g, -1)
         q_g = q_rot[:, :, None].expand(-1, -1, g, -1)
         ck, cv = pool_core_tokens(q_g, k_rot_g, k_g, v_g, cos_g, sin_g, g, pooling, scale)  # (B, C, 1, d)
         self._grow_core(self.max_seen // g + 1)
@@ -391,12 +470,14 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         # 1. Pool the groups that complete inside the chunk. Build each row's sequence from the start of
         #    its current group: the g-1 positions before the chunk (from the rings) ++ the chunk.
         old = T[:, None] - (g - 1) + torch.arange(g - 1, device=dev)  # (B, g-1)
+        gw, n_mid, rows = self.grp_k.shape[2], self.mid_cos.shape[1], torch.arange(bsz, device=dev)
         k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
         v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
-        k_x = torch.cat((_rows(self.grp_k, old % g, 2), k), 2)
+        k_x = torch.cat((_rows(self.grp_k, old % gw, 2), k), 2)
         q_x = torch.cat((q_rot.new_zeros(bsz, n_heads, g - 1, head_dim), q_rot), 2)
-        cos_x = torch.cat((self.mid_cos[:, None].expand(-1, g - 1, -1), cos), 1)
-        sin_x = torch.cat((self.mid_sin[:, None].expand(-1, g - 1, -1), sin), 1)
+        cur = (T // g) % n_mid  # the current group's middle tables
+        cos_x = torch.cat((self.mid_cos[rows, cur][:, None].expand(-1, g - 1, -1), cos), 1)
+        sin_x = torch.cat((self.mid_sin[rows, cur][:, None].expand(-1, g - 1, -1), sin), 1)
         ext = g - 1 + q_len
         r_old = T % g
         align = (torch.arange(ext, device=dev)[None] + (g - 1) - r_old[:, None]).clamp(max=ext - 1)
@@ -443,17 +524,20 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.core_k.scatter_(2, dest[:, None, :, None].expand(-1, new_ck.shape[1], -1, head_dim), new_ck)
         self.core_v.scatter_(2, dest[:, None, :, None].expand(-1, new_cv.shape[1], -1, head_dim), new_cv)
         T_new = T + n_new
-        for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", g, k)):
+        for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", gw, k)):
             ring = getattr(self, name)
             last = (T_new - 1)[:, None]
             slot_pos = last - torch.remainder(last - torch.arange(size, device=dev), size)
             from_chunk = (slot_pos >= T[:, None])[:, None, :, None]
             fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2)
             setattr(self, name, torch.where(from_chunk, fresh, ring))
-        last_mid = n_new - 1 - torch.remainder(T + n_new - 1 - g // 2, g)  # chunk column of the newest middle
-        has_mid = (last_mid >= 0)[:, None]
-        self.mid_cos = torch.where(has_mid, _rows(cos, last_mid.clamp_min(0)[:, None], 1)[:, 0], self.mid_cos)
-        self.mid_sin = torch.where(has_mid, _rows(sin, last_mid.clamp_min(0)[:, None], 1)[:, 0], self.mid_sin)
+        # each ring slot of middle tables: the newest middle of the chunk's groups that map to it, if any
+        is_mid = real & (pos % g == g // 2)
+        mids = [torch.where(is_mid & ((pos // g) % n_mid == m), col, -1).amax(-1) for m in range(n_mid)]
+        last_mid = torch.stack(mids, 1)  # (B, n_mid) chunk columns, -1: none
+        has_mid = (last_mid >= 0)[..., None]
+        self.mid_cos = torch.where(has_mid, _rows(cos, last_mid.clamp_min(0), 1), self.mid_cos)
+        self.mid_sin = torch.where(has_mid, _rows(sin, last_mid.clamp_min(0), 1), self.mid_sin)
         self.seen = T_new
         self.cols += q_len
         self.max_seen += q_len
@@ -484,13 +568,30 @@ class CCACache(Cache):
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def crop(self, tokens_to_remove: int):
+        """Every layer's ``crop``; an in-place crop's count of dropped real tokens is computed once, for all."""
+        first = next((x for x in self.layers if isinstance(x, CCALayerCache) and x.seen is not None), None)
+        dropped = None if first is None else first.dropped_in_place(crop_length(first.cols, tokens_to_remove))
+        for layer in self.layers:
+            if isinstance(layer, CCALayerCache):
+                layer.crop(tokens_to_remove, dropped)
+            else:
+                layer.crop(tokens_to_remove)
+
+    def token_steps(self) -> int:
+        """The most tokens a pass may hold to run on the decode kernels token by token (1, or the speculative
+        slack): what a captured step may hold."""
+        first = next((x for x in self.layers if isinstance(x, CCALayerCache)), None)
+        return max(1, first.slack) if first is not None else 1
+
     # --- what a CUDA-graph decode step (decode_graph.py) needs ----------------------------------------------------
     def graphable(self, head_dim: int) -> bool:
         """Whether a one-token step may be replayed from a CUDA graph: every layer is a filled CCA layer on the
-        Triton decode path and no crop was announced (assisted decoding keeps per-step undo copies). Checked when a
-        step is captured; replays check ``state_version`` (``record_past`` is versioned like the tensors)."""
+        Triton decode path and no crop was announced, or crops are done in place (the speculative slack; else assisted
+        decoding keeps per-step undo copies). Checked when a step is captured; replays check ``state_version``
+        (``record_past`` is versioned like the tensors)."""
         return (all(isinstance(layer, CCALayerCache) and layer.seen is not None and layer.seen.is_cuda
-                    and not layer.record_past for layer in self.layers)
+                    and (layer.slack or not layer.record_past) for layer in self.layers)
                 and bool(self.layers) and self.layers[0].uses_decode_kernels(head_dim))
 
     def reserve(self, steps: int):
@@ -510,19 +611,22 @@ class CCACache(Cache):
         return min(layer.core_k.shape[2] * g - 1 - (layer.max_seen - first) for layer in self.layers)
 
     def host_counters(self) -> list:
-        return [(layer.cols, layer.max_seen, layer._undo) for layer in self.layers]
+        return [(layer.cols, layer.max_seen, layer._undo, list(layer._tail)) for layer in self.layers]
 
     def set_host_counters(self, counters: list):
-        for layer, (cols, max_seen, undo) in zip(self.layers, counters):
-            layer.cols, layer.max_seen, layer._undo = cols, max_seen, undo
+        for layer, (cols, max_seen, undo, tail) in zip(self.layers, counters):
+            layer.cols, layer.max_seen, layer._undo, layer._tail = cols, max_seen, undo, tail
 
-    def advance(self, tokens: int):
-        """What a replayed one-token step does on the host: count the column."""
+    def advance(self, tokens: int, real=None):
+        """What a replayed step of ``tokens`` columns (``real``: their mask columns, or None) does on the host: count
+        them."""
         for layer in self.layers:
             counters = layer.__dict__  # host counters only: past the versioning __setattr__ (32 layers, every step)
             counters["cols"] += tokens
             counters["max_seen"] += tokens
             counters["_undo"] = None
+            if counters["slack"]:
+                layer._note(tokens, real)
 
     @staticmethod
     def prepare(config, past_key_values):

@@ -24,7 +24,7 @@ own attention (no CCA) on the same weights.
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -193,6 +193,18 @@ class CCAModelMixin(MethodModelMixin):
                 return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate()'s cache: the compressed one from the start (not the DynamicCache ``forward`` would swap at the
+        prefill), so that what generate() tells the cache before the prefill reaches it: ``activate_past_recording``
+        for assisted and prompt-lookup decoding (then crops are done in place, ``cache_cca.py``)."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not self.training
+                and cache.get_seq_length() == 0 and self.config._attn_implementation == "cca"
+                and CCASettings(self.config).attn_backend != "full"):
+            model_kwargs["past_key_values"] = HFCCACache(self.config)
+        return result
+
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
         """generate()'s one-token step on a CCA cache gets what the stock method returns: the last column of the ids
@@ -223,25 +235,31 @@ class CCAModelMixin(MethodModelMixin):
                     "logits_to_keep", "cache_position"}
 
     def _replayed_decode(self, cache, kwargs):
-        """The logits of a one-token step replayed from a CUDA graph, or None where this step runs eagerly."""
+        """The logits of a one-token step (or a verification pass of speculative decoding, ``cache.token_steps()``)
+        replayed from a CUDA graph, or None where this step runs eagerly."""
         ids = kwargs.get("input_ids")
         # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
-        if (ids is None or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda or self.training
+        if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
                 or torch.is_grad_enabled() or not isinstance(cache, CCACache)
+                or not (ids.shape[1] == 1 or ids.shape[1] <= cache.token_steps())
                 or not getattr(self.config, "cca_cuda_graphs", True) or getattr(self, "_graph_failure", None)
                 or not self.GRAPH_INPUTS.issuperset(kwargs)
                 or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
             return None
+        n, keep = ids.shape[1], kwargs.get("logits_to_keep")
+        if n > 1 and keep is not None and not isinstance(keep, int):
+            return None  # (logits of chosen positions: the stock forward picks them)
+        keep = n if not keep or keep > n else keep  # (logits of the last ``keep`` tokens; a step's graph has all n)
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        real = None if mask is None else mask[:, -1:]  # the graph reads the pad column on the device
-        if positions is None:  # every row's position is the cache's length: filled in place on a replay
+        real = None if mask is None else mask[:, -n:]  # the graph reads the pad columns on the device
+        if positions is None:  # every row's positions continue from the cache's length: written in place on a replay
             positions = cache.get_seq_length()
         graphs = cache.__dict__.get("decode_graphs")
         logits = None if graphs is None else graphs.replay(cache, ids, positions, real)
         if logits is not None:
-            return logits
+            return logits if keep == n else logits[:, -keep:]
         if isinstance(positions, int):
-            positions = torch.full_like(ids, positions)
+            positions = torch.arange(positions, positions + n, device=ids.device).expand_as(ids)
         rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         if "dynamic" in rope_type or rope_type == "longrope" or not cache.graphable(head_dim):  # (these re-plan
@@ -258,6 +276,7 @@ class CCAModelMixin(MethodModelMixin):
                 fused = self._fused_modules = FusedModules(self)
         graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
         logits = graphs.capture(step, cache, ids, positions, real, fused)
+        logits = logits if logits is None or keep == n else logits[:, -keep:]
         if fused is not None and fused.failure:
             logger.warning_once(f"CUDA-graph decoding captures the stock norms, MLPs and RoPE: compiling them failed "
                                 f"({fused.failure})")

@@ -55,14 +55,19 @@ _COMPILED = {}
 _UNROTATED = {}  # id(k) -> (q, k): one-token q/k a family handed over un-rotated (``_deferring``), strong references
 
 
+DEFERRED_TOKENS = 32  # the most tokens per row whose RoPE a captured step leaves to the decode kernel (a
+# verification pass of speculative decoding: its tokens then round exactly as the one-token steps they stand for)
+
+
 def _deferring(rope):
-    """A family's ``apply_rotary_pos_emb`` (``rope``) that, for a one-token step's full-width q/k, leaves them
-    un-rotated: the CCA decode kernel rotates them as it writes the cache, two launches fewer per layer. The attention
-    function takes them back with ``take_unrotated``; anything else is rotated by ``rope``."""
+    """A family's ``apply_rotary_pos_emb`` (``rope``) that, for a decode step's full-width q/k (one token, or the few of
+    a verification pass), leaves them un-rotated: the CCA decode kernel rotates them as it writes the cache, two
+    launches fewer per layer. The attention function takes them back with ``take_unrotated``; anything else is
+    rotated by ``rope``."""
 
     @functools.wraps(rope)
     def call(q, k, cos, sin, *args, **kwargs):
-        if (args or kwargs or q.dim() != 4 or q.shape[2] != 1 or cos.shape[-1] != q.shape[-1]
+        if (args or kwargs or q.dim() != 4 or q.shape[2] > DEFERRED_TOKENS or cos.shape[-1] != q.shape[-1]
                 or q.dtype not in EAGER_ROPE_DTYPES):  # (the dtypes whose rounding the kernel reproduces)
             return rope(q, k, cos, sin, *args, **kwargs)
         _UNROTATED[id(k)] = (q, k)
@@ -124,6 +129,9 @@ class SkinnyLinears:
       q_proj call computes all three in one launch and keeps k and v; the k_proj and v_proj calls on that same
       ``x`` hand them out (on any other input they compute their own).
     - o_proj: one launch without cuBLAS's split-K reduction.
+    - the output embedding (lm_head): each row's logits the same whatever the rows, so that a verification pass of
+      speculative decoding (n rows) gives the logits of the one-token steps it replaces (cuBLAS's 1-row and n-row
+      kernels round differently, and a greedy token can flip on a near tie).
     - a gated MLP (``down(act(gate(x)) * up(x))``, SiLU or tanh-GELU): gate, up and the activation in one launch,
       then down. Its first call per MLP class is checked against the stock twin: a class whose forward computes
       something else keeps the twin."""
@@ -142,6 +150,9 @@ class SkinnyLinears:
                 self.calls += self._qkv(*projections)
             if hasattr(module, "layer_idx") and _plain_linear(getattr(module, "o_proj", None)):
                 self.calls.append((module.o_proj, self._one(module.o_proj)))
+        head = model.get_output_embeddings()
+        if _plain_linear(head):  # (cuBLAS picks other kernels for 1 and n rows: a verification pass would round
+            self.calls.append((head, self._one(head)))  # its logits otherwise than the one-token steps it stands for)
 
     def _failed(self, error):
         self.owner.failure = f"{type(error).__name__}: {error}"
@@ -298,29 +309,36 @@ class _Captured:
         self.graph, self.ids, self.positions, self.real, self.logits = graph, ids, positions, real, logits
         self.version, self.limit = version, limit
         self.all_real = bool(real.all())  # (once, at capture) whether a maskless step may skip copying the column
+        self.columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # a pass's offsets from its start
+        self.replays = 0
 
 
 class DecodeGraphs:
     """Per-cache captured decode steps, one per batch size (``cache.decode_graphs``)."""
 
     def __init__(self):
-        self.captured = {}
+        self.captured = {}  # (batch, tokens per row) -> _Captured
         self.stream = None
         self.failure = None  # why a capture failed: the model then decodes eagerly
         self.replays = 0
-        self.unreplayed = 0  # captures not replayed since (beam search reorders the cache every step: stop capturing)
+        self.wasted = 0  # captures dropped unreplayed since the last replay (beam search reorders the cache
+        # every step: stop capturing)
 
     def replay(self, cache, input_ids, position_ids, real):
-        """Logits of one step (one token per row at ``position_ids``: (B, 1), or one int for every row; ``real`` (B, 1)
-        its mask column or None) replayed from the graph of this batch size, or None where there is none valid for the
-        cache's state. The host work before the launch is kept to a few comparisons and copies: the device idles while
-        it runs (generate() syncs once per step)."""
-        entry = self.captured.get(input_ids.shape[0])
-        if entry is None or entry.version != cache.state_version() or cache.layers[0].max_seen > entry.limit:
+        """Logits of one step (``n`` tokens per row at ``position_ids``: (B, n), or the first one's position as one int
+        for every row; ``real`` (B, n) their mask columns or None) replayed from the graph of this shape, or None where
+        there is none valid for the cache's state. The host work before the launch is kept to a few comparisons and
+        copies: the device idles while it runs (generate() syncs once per step)."""
+        n = input_ids.shape[1]
+        entry = self.captured.get(input_ids.shape)
+        if entry is None or entry.version != cache.state_version() or cache.layers[0].max_seen + n - 1 > entry.limit:
             return None
         entry.ids.copy_(input_ids)
         if isinstance(position_ids, int):
-            entry.positions.fill_(position_ids)
+            if n == 1:
+                entry.positions.fill_(position_ids)
+            else:
+                torch.add(entry.columns, position_ids, out=entry.positions)
         else:
             entry.positions.copy_(position_ids)
         if real is not None:
@@ -330,20 +348,27 @@ class DecodeGraphs:
             entry.real.fill_(1)
             entry.all_real = True
         entry.graph.replay()
-        cache.advance(1)
-        self.unreplayed = 0
+        cache.advance(n, real)
+        entry.replays += 1
         self.replays += 1
+        self.wasted = 0
         return entry.logits.clone()  # the next replay overwrites the static buffer
 
     def capture(self, forward, cache, input_ids, position_ids, real, fused: FusedModules | None = None):
         """Logits of ``forward(input_ids, position_ids)`` run eagerly, and the step captured for the next ones (with
         ``fused``'s twins active); None (nothing run) where captures stopped paying."""
-        self.captured.pop(input_ids.shape[0], None)  # release the stale graph and what it holds first
-        if self.unreplayed >= 2:
+        version = cache.state_version()
+        for key, entry in list(self.captured.items()):  # release stale graphs and what they hold first
+            if key == input_ids.shape or entry.version != version:
+                del self.captured[key]
+                self.wasted += entry.replays == 0
+        if self.wasted >= 2:
             return None
         if self.stream is None:
             self.stream = torch.cuda.Stream(input_ids.device)
-        cache.reserve(steps=2)  # this step and the first replay
+        # this step and the first replay; as much for every step length, so that speculative decoding gets the core
+        # capacity (and so the decode kernel's splits and roundings) of plain decoding
+        cache.reserve(steps=2 * max(input_ids.shape[1], DEFERRED_TOKENS))
         ids, positions = input_ids.clone(), position_ids.clone()
         real = torch.ones_like(ids) if real is None else real.to(ids.dtype, copy=True)
         twins = fused.active if fused is not None else nullcontext
@@ -377,6 +402,5 @@ class DecodeGraphs:
         finally:
             cache.step_real = None
         entry = _Captured(graph, ids, positions, real, static_logits, cache.state_version(), cache.replay_limit())
-        self.captured[input_ids.shape[0]] = entry
-        self.unreplayed += 1
+        self.captured[input_ids.shape] = entry
         return logits

@@ -67,6 +67,40 @@ def test_prefill_then_decode_matches_full_forward(pooling, g, s, heads, kv_heads
     assert layer.win_k.shape[2] == s + g - 1  # raw keys: never more than s+g-1 slots
 
 
+@pytest.mark.parametrize("record_past", [False, True])
+@pytest.mark.parametrize("kernels", [False, True])
+@torch.no_grad()
+def test_decode_after_a_prompt_longer_than_the_kept_tail(kernels, record_past, monkeypatch):
+    """A prefill keeps only its last ``window + ROLLBACK`` columns to rebuild the rings from (``crop``): the rings
+    must still hold each position at slot ``position % size`` however that tail is offset (a 300-token prompt: the
+    tail starts at column 35, resp. 3 with the speculative slack, not a multiple of the ring sizes), with and without
+    the slack, on the PyTorch path and the decode kernels (TRITON_INTERPRET=1), a left-padded row included."""
+    if kernels:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the decode kernels on CPU need TRITON_INTERPRET=1")
+        monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
+    model = make_model("kv", 4, 6, 4, 2, layers=1, attn_backend="auto" if kernels else "reference")
+    ids = torch.randint(3, VOCAB, (2, 306))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    out = model(ids[:, :300], attention_mask=mask[:, :300], use_cache=True,
+                **({} if not record_past else {"past_key_values": _recording(model)}))
+    cache, logits = out.past_key_values, []
+    assert cache.layers[0].slack == (cache_mod.SPECULATIVE_SLACK if record_past else 0)
+    for i in range(300, 306):
+        logits.append(model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits)
+    logits = torch.cat(logits, 1)
+    torch.testing.assert_close(logits[:1], model(ids[:1], use_cache=False).logits[:, 300:], atol=ATOL, rtol=0)
+    real = model(ids[1:, 5:], use_cache=False).logits[:, 295:]
+    torch.testing.assert_close(logits[1:], real, atol=ATOL, rtol=0)
+
+
+def _recording(model):
+    cache = cache_mod.CCACache(model.config)
+    cache.activate_past_recording()
+    return cache
+
+
 @pytest.mark.parametrize("pooling,g,s,heads,kv_heads", CONFIGS[:4])
 @torch.no_grad()
 def test_chunked_prefill_matches_full_forward(pooling, g, s, heads, kv_heads):

@@ -3,17 +3,20 @@ tokens of a verification pass (``crop``), so ``generate(prompt_lookup_num_tokens
 ``generate(assistant_model=...)`` give exactly plain greedy output. g=4, s=8: groups complete (and are pooled)
 inside verification passes, and the prompt is longer than the window."""
 
+import os
+
 import pytest
 import torch
 
+from cca_convert import published
 from tests.factories import cca_hf_model_from, tiny_base_model
 
 G, S = 4, 8
 
 
-def _models(device="cpu"):
+def _models(device="cpu", backend=None):
     base = tiny_base_model("llama", **{"max_position_embeddings": 512, "pad_token_id": 0, "eos_token_id": 2})
-    backend = "triton" if device == "cuda" else "reference"
+    backend = backend or ("triton" if device == "cuda" else "reference")
     model = cca_hf_model_from(base, group_size=G, local_window=S, attn_backend=backend)
     return base.to(device), model.to(device)
 
@@ -23,14 +26,86 @@ def _prompt(bsz=1, seed=4):
     return torch.cat([unit, unit[:, :5], unit, unit[:, 2:]], 1)  # repeats: prompt lookup finds drafts
 
 
+def _on_kernels(kernels, monkeypatch):
+    """The decode kernels on CPU tensors (Triton's interpreter) where ``kernels``, else the PyTorch decode path."""
+    if kernels:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the decode kernels on CPU need TRITON_INTERPRET=1")
+        monkeypatch.setattr(published.load("cache_cca").CCALayerCache, "force_triton", True)
+
+
 @torch.no_grad()
-def test_prompt_lookup_equals_greedy():
-    _, model = _models()
+@pytest.mark.parametrize("kernels", [False, True])
+def test_prompt_lookup_equals_greedy(kernels, monkeypatch):
+    """Verification passes within the speculative slack are cropped in place: no per-pass copies of the state."""
+    _on_kernels(kernels, monkeypatch)
+    _, model = _models(backend="auto" if kernels else "reference")
     prompt = _prompt()
     kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
     greedy = model.generate(prompt, **kw)
-    lookup = model.generate(prompt, prompt_lookup_num_tokens=5, **kw)
-    assert torch.equal(lookup, greedy)
+    cache_mod = published.load("cache_cca")
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a pass within the slack saved its state for crop()")
+
+    monkeypatch.setattr(cache_mod.CCALayerCache, "_state", no_copies)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=5, return_dict_in_generate=True, **kw)
+    assert torch.equal(lookup.sequences, greedy)
+    assert lookup.past_key_values.layers[0].slack == cache_mod.SPECULATIVE_SLACK
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernels", [False, True])
+def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
+    """After ``activate_past_recording`` (generate() calls it for speculative decoding, before the prefill) the rings
+    keep SPECULATIVE_SLACK more positions. A pass within it runs token by token on the decode kernels (where they run)
+    and gives the no-cache forward's logits; a crop counts the dropped columns out of ``seen`` in place (no state
+    tensor replaced: captured steps stay valid), pads among them included; the next steps then give what a run that
+    never saw them gives. Beyond the slack the last pass is undone as without it."""
+    _on_kernels(kernels, monkeypatch)
+    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    _, model = _models(backend="auto" if kernels else "reference")
+    slack = cache_mod.SPECULATIVE_SLACK
+    ids = torch.cat([_prompt(bsz=2, seed=3)] * 2, 1)  # (2, 74)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+
+    def recorded(n):
+        cache = cca_hf.HFCCACache(model.config)
+        cache.activate_past_recording()
+        model(ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache)
+        return cache
+
+    def steps(cache, start, stop):
+        return torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
+                          for i in range(start, stop)], 1)
+
+    cache = recorded(20)
+    layer = cache.layers[0]
+    assert layer.slack == slack and layer.win_k.shape[2] == S + G - 1 + slack and layer.grp_k.shape[2] == G + slack
+    hole = mask[:, :27].clone()
+    hole[1, 24] = 0  # a pad column inside the pass, cropped away
+    passed = model(ids[:, 20:27], attention_mask=hole, past_key_values=cache).logits
+    full = model(ids[:1, :27], use_cache=False).logits  # (row 0: no pads)
+    torch.testing.assert_close(passed[:1], full[:, 20:27], atol=1e-4, rtol=1e-4)
+    version, seen, bound = cache.state_version(), layer.seen.clone(), layer.max_seen
+    cache.crop(-5)
+    assert cache.state_version() == version and cache.get_seq_length() == 22
+    assert layer.seen.tolist() == [seen[0] - 5, seen[1] - 4]  # row 1: one of the dropped columns was a pad
+    assert layer.max_seen == bound - 4  # (the bound on every row's count drops by the fewest dropped)
+    torch.testing.assert_close(steps(cache, 22, 30), steps(recorded(22), 22, 30), atol=1e-5, rtol=1e-5)
+    # the prefill's own columns, and several passes at once (both within the slack)
+    cache = recorded(30)
+    model(ids[:, 30:33], attention_mask=mask[:, :33], past_key_values=cache)
+    steps(cache, 33, 35)
+    cache.crop(-9)  # 2 steps, the 3-token pass and 4 prefill columns
+    torch.testing.assert_close(steps(cache, 26, 34), steps(recorded(26), 26, 34), atol=1e-5, rtol=1e-5)
+    # a pass longer than the slack: undone as without it (restore + re-run)
+    cache = recorded(20)
+    model(ids[:, 20:20 + slack + 2], attention_mask=mask[:, :20 + slack + 2], past_key_values=cache)
+    cache.crop(-3)
+    n = 20 + slack - 1
+    torch.testing.assert_close(steps(cache, n, n + 3), steps(recorded(n), n, n + 3), atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -84,5 +159,43 @@ def test_gpu_speculative_decoding_equals_greedy_with_the_triton_kernels():
     prompt = _prompt(bsz=1, seed=7).cuda()
     kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
     greedy = model.generate(prompt, **kw)
-    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kw), greedy)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=5, return_dict_in_generate=True, **kw)
+    assert torch.equal(lookup.sequences, greedy)
+    graphs = lookup.past_key_values.decode_graphs  # verification passes were captured and replayed
+    assert graphs.failure is None and graphs.replays > 0 and any(n > 1 for _, n in graphs.captured)
     assert torch.equal(model.generate(prompt, assistant_model=base, **kw), greedy)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_verification_passes_give_the_one_token_steps_logits_bit_for_bit():
+    """bf16, CUDA graphs: a captured verification pass of n tokens (replayed after in-place crops) gives bit for bit the
+    logits of the n captured one-token steps it stands for, from the same cache state: every product of the step
+    (Triton few-row products, lm_head included) rounds each row alike whatever the rows, so speculative decoding picks
+    the greedy tokens even at near ties. A 300-token prompt: the prefill's kept tail is offset in the rings."""
+    cca_hf = published.load("cca_hf")
+    base = tiny_base_model("llama", max_position_embeddings=512, pad_token_id=0, eos_token_id=2)
+    model = cca_hf_model_from(base, group_size=G, local_window=S, attn_backend="triton").to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 311), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+
+    def recorded():
+        cache = cca_hf.HFCCACache(model.config)
+        cache.activate_past_recording()
+        model(ids[:, :300], attention_mask=mask[:, :300], past_key_values=cache, use_cache=True)
+        return cache
+
+    steps, passes = recorded(), recorded()
+    for _ in range(3):  # capture, then replays after in-place crops
+        one = torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=steps,
+                               use_cache=True).logits for i in range(300, 311)], 1)
+        steps.crop(-11)
+        many = model(ids[:, 300:311], attention_mask=mask, past_key_values=passes, use_cache=True).logits
+        passes.crop(-11)
+        assert torch.equal(one, many)
+    assert steps.decode_graphs.replays >= 22 and passes.decode_graphs.replays >= 2
+    assert steps.state_version() == steps.decode_graphs.captured[(1, 1)].version  # the crops replaced nothing
+    # generate(): plain greedy (no slack in the rings) and prompt lookup (slack) split the decode kernel's work alike
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
+    prompt = torch.cat([ids[:, :150]] * 2, 1)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=10, **kw), model.generate(prompt, **kw))
