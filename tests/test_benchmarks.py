@@ -48,3 +48,19 @@ def test_attention_benchmark_refuses_an_unknown_sweep_kernel():
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 2
     assert "unknown kernel(s) ['dkvd']" in proc.stderr and "dkdv_raw" in proc.stderr
+
+
+def test_speculative_benchmark_compares_drafts_with_greedy(tmp_path):
+    """``benchmarks/speculative.py``: greedy, prompt lookup and the oracle's drafts run in generate(); the oracle's
+    tokens must equal greedy's (exit 1 otherwise), a pass of all-right drafts adds every draft and the bonus token."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--smoke", "--device", "cpu", "--contexts",
+           "70", "--new-tokens", "25", "--unit", "16", "--lookup-tokens", "5", "--oracle-right", "5,2", "--skip", "1",
+           "--group-size", "4", "--local-window", "16", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]
+    assert [r["drafts"] for r in rows] == ["prompt lookup", "oracle, 5 of 5 right", "oracle, 2 of 5 right"]
+    assert all(r["greedy"]["tokens_per_pass"] == 1 for r in rows)
+    assert rows[1]["equal"] and rows[2]["equal"]
+    assert rows[1]["spec"]["tokens_per_pass"] == 6 and rows[2]["spec"]["tokens_per_pass"] == 3
+    assert "| 70 | oracle, 2 of 5 right |" in (tmp_path / "speculative.md").read_text()
