@@ -1,11 +1,13 @@
-"""One-token decode steps replayed from CUDA graphs: what ``generate()`` runs once per new token.
+"""Decode steps replayed from CUDA graphs: what ``generate()`` runs once per new token, and the verification passes
+of speculative decoding (a few tokens per row, up to the cache's speculative slack: ``CCACache.token_steps``), one
+graph per (batch, tokens).
 
 An eager step of an 8B model launches hundreds of small kernels from Python; at small batches the GPU waits for the
 CPU. A captured step launches them all at once. A replay reads and writes fixed addresses, so it is valid only while
 the cache's state tensors are the same objects it was captured with (the cache decodes in place and numbers every
-assignment of one: ``state_version``); anything that replaces one (a prefill, a multi-token pass, a crop, beam
-reordering, the core outgrowing its reserve) makes the next step eager and the step after it captured anew. A pad
-column (``attention_mask`` 0 in the last column) is an input of the graph, read on the device: no sync. Host-side
+assignment of one: ``state_version``); anything that replaces one (a prefill, a chunk, a crop that is not done in
+place, beam reordering, the core outgrowing its reserve) makes the next step eager and the step after it captured
+anew. The pad columns (``attention_mask`` 0) are an input of the graph, read on the device: no sync. Host-side
 counters the captured Python code advanced once are put back, and advanced by the caller at each replay (``advance``).
 
 While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
