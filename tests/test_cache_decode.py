@@ -95,6 +95,21 @@ def test_decode_after_a_prompt_longer_than_the_kept_tail(kernels, record_past, m
     torch.testing.assert_close(logits[1:], real, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("record_past", [False, True])
+@torch.no_grad()
+def test_chunks_after_a_prompt_longer_than_the_kept_tail(record_past):
+    """Chunked prefill (SDPA over core ++ rings ++ chunk) after a first chunk longer than the tail a prefill keeps:
+    the rings it reads are the positions they should hold."""
+    model = make_model("kv", 4, 6, 4, 2, layers=1)
+    ids = torch.randint(3, VOCAB, (2, 330))
+    kw = {"past_key_values": _recording(model)} if record_past else {}
+    out = model(ids[:, :300], use_cache=True, **kw)
+    cache, logits = out.past_key_values, [out.logits]
+    for i, j in ((300, 307), (307, 308), (308, 330)):
+        logits.append(model(ids[:, i:j], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(logits, 1), model(ids, use_cache=False).logits, atol=ATOL, rtol=0)
+
+
 def _recording(model):
     cache = cache_mod.CCACache(model.config)
     cache.activate_past_recording()
