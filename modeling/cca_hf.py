@@ -241,7 +241,7 @@ class CCAModelMixin(MethodModelMixin):
         # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
         if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
                 or torch.is_grad_enabled() or not isinstance(cache, CCACache)
-                or not (ids.shape[1] == 1 or ids.shape[1] <= cache.token_steps())
+                or ids.shape[1] > cache.token_steps()
                 or not getattr(self.config, "cca_cuda_graphs", True) or getattr(self, "_graph_failure", None)
                 or not self.GRAPH_INPUTS.issuperset(kwargs)
                 or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
