@@ -88,6 +88,13 @@ def build(args, dtype):
     return cca, full
 
 
+def describe(name, model, dtype, t0) -> str:
+    """The run's first line: device, versions, model size and CCA settings (the script adds its own)."""
+    return (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
+            f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters ({dtype}), "
+            f"g={model.config.cca_group_size} s={model.config.cca_local_window}; built in {time.time() - t0:.0f}s")
+
+
 def floor_ms(model, backend, context, batch, bandwidth) -> float:
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -214,11 +221,9 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()
     cca, full = build(args, dtype)
-    head = (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
-            f"{sum(p.numel() for p in cca.parameters()) / 1e9:.2f}B parameters ({dtype}), "
-            f"g={cca.config.cca_group_size} s={cca.config.cca_local_window}, {args.new_tokens} new tokens, "
-            f"prefill chunks of {args.prefill_chunk} tokens per row, at most {args.prefill_tokens} per chunk; "
-            f"step clock {'synced every step' if args.sync_steps else 'unsynced'}; built in {time.time() - t0:.0f}s")
+    head = (f"{describe(name, cca, dtype, t0)}; {args.new_tokens} new tokens, prefill chunks of {args.prefill_chunk} "
+            f"tokens per row, at most {args.prefill_tokens} per chunk; "
+            f"step clock {'synced every step' if args.sync_steps else 'unsynced'}")
     print(head, flush=True)
     rows = []
     for context in args.contexts:

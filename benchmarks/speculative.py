@@ -40,12 +40,11 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.decode import build  # noqa: E402
+from benchmarks.decode import build, describe  # noqa: E402
 from cca_convert import published  # noqa: E402
 
 
@@ -165,11 +164,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t0 = time.time()
     model, _ = build(argparse.Namespace(**vars(args), prefill_rows=0), dtype)  # (decode.py's model; full unused)
-    head = (f"{name}, torch {torch.__version__}, transformers {transformers.__version__}; "
-            f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters ({dtype}), "
-            f"g={model.config.cca_group_size} s={model.config.cca_local_window}, batch 1, {args.new_tokens} new "
-            f"tokens, prompt: a random unit of {args.unit} tokens repeated, prompt_lookup_num_tokens="
-            f"{args.lookup_tokens}; built in {time.time() - t0:.0f}s")
+    head = (f"{describe(name, model, dtype, t0)}; batch 1, {args.new_tokens} new tokens, prompt: a random unit of "
+            f"{args.unit} tokens repeated, prompt_lookup_num_tokens={args.lookup_tokens}")
     print(head, flush=True)
     rows = []
     for context in args.contexts:
