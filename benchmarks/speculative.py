@@ -25,10 +25,15 @@ columns': where its tokens differ from greedy's, the first difference is printed
 decided by that rounding, or a bug).
 
 Model: the Llama-3.1-8B shape with random bf16 weights, the CLI's CCA defaults (``benchmarks/decode.py``'s model);
-``--smoke``: a tiny one that runs on a CPU.
+``--smoke``: a tiny one that runs on a CPU. ``--model``: a trained CCA export (a folder or Hub id, loaded with
+``trust_remote_code``), on real text with ``--text``: the prompt is the file's first L - ``--quote`` tokens and then
+its first ``--quote`` tokens again, a quote that a model which learnt the text goes on quoting, so that prompt
+lookup's drafts (the tokens after the quote's first occurrence) are right for as long as the model follows the text.
 
     python benchmarks/speculative.py --out benchmarks/results/speculative-h200      # 8K/32K/128K, batch 1
     python benchmarks/speculative.py --smoke --device cpu                           # the code path, tiny
+    python benchmarks/speculative.py --model out/fidelity/g16-s256-lora --text examples/data/finetune.txt \
+        --contexts 1024,1800 --new-tokens 200                                       # fidelity.py's KJV model
 """
 
 from __future__ import annotations
@@ -83,6 +88,22 @@ class OracleDrafts(CandidateGenerator):
 
     def update_candidate_strategy(self, *args, **kwargs):
         pass
+
+
+def load_trained(args, dtype, device):
+    """A CCA export and the token ids of ``--text`` (1, n), checked to hold the longest context's prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=dtype).to(device).eval()
+    if not hasattr(model.config, "cca_group_size"):
+        raise SystemExit(f"--model {args.model} is not a CCA export (its config has no cca_group_size)")
+    ids = tokenizer(args.text.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+    if ids.shape[1] < max(args.contexts) - args.quote:
+        raise SystemExit(f"--text {args.text} has {ids.shape[1]} tokens: too few for a {max(args.contexts)}-token prompt")
+    pad = model.generation_config.pad_token_id
+    model.generation_config = GenerationConfig(pad_token_id=pad if pad is not None else tokenizer.eos_token_id)
+    return model, ids
 
 
 def timed(model, ids, args, **kwargs) -> dict:
@@ -153,25 +174,43 @@ def main() -> int:
     ap.add_argument("--local-window", type=int, default=1024)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (any device): the code path, not the numbers")
+    ap.add_argument("--model", default=None, help="a CCA export (folder or Hub id) instead of the random 8B shape")
+    ap.add_argument("--text", type=Path, default=None, help="with --model: the prompt's text file (UTF-8)")
+    ap.add_argument("--quote", type=int, default=64, help="with --text: tokens of the text's start repeated at the end")
     ap.add_argument("--out", type=Path, default=None, help="folder for speculative.md / speculative.json")
     args = ap.parse_args()
     if (min(args.contexts) < 2 or args.unit < 1 or args.lookup_tokens < 1 or args.new_tokens < 2
             or any(not 0 <= k <= args.lookup_tokens for k in args.oracle_right)):
         ap.error("--contexts, --unit, --lookup-tokens and --new-tokens must be positive (contexts and new tokens >= 2), "
                  "--oracle-right between 0 and --lookup-tokens")
+    if (args.text is None) != (args.model is None) or (args.model and args.smoke):
+        ap.error("--model and --text go together (a trained model on real text), and not with --smoke")
+    if args.text is not None and not (1 <= args.quote < min(args.contexts)):
+        ap.error(f"--quote must be at least 1 and shorter than the shortest context ({min(args.contexts)})")
+    if args.text is not None and not args.text.is_file():
+        ap.error(f"--text {args.text}: no such file")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t0 = time.time()
-    model, _ = build(argparse.Namespace(**vars(args), prefill_rows=0), dtype)  # (decode.py's model; full unused)
-    head = (f"{describe(name, model, dtype, t0)}; batch 1, {args.new_tokens} new tokens, prompt: a random unit of "
-            f"{args.unit} tokens repeated, prompt_lookup_num_tokens={args.lookup_tokens}")
+    if args.model is None:
+        model, _ = build(argparse.Namespace(**vars(args), prefill_rows=0), dtype)  # (decode.py's model; full unused)
+        prompt = f"a random unit of {args.unit} tokens repeated"
+        text = None
+    else:
+        model, text = load_trained(args, dtype, device)
+        prompt = f"{args.text.name}'s first L - {args.quote} tokens, then its first {args.quote} again"
+    head = (f"{describe(name, model, dtype, t0)}; batch 1, {args.new_tokens} new tokens, prompt: {prompt}, "
+            f"prompt_lookup_num_tokens={args.lookup_tokens}")
     print(head, flush=True)
     rows = []
     for context in args.contexts:
-        gen = torch.Generator().manual_seed(context)
-        unit = torch.randint(3, model.config.vocab_size, (1, args.unit), generator=gen)
-        ids = unit.repeat(1, -(-context // args.unit))[:, :context].to(device)
+        if text is None:
+            gen = torch.Generator().manual_seed(context)
+            unit = torch.randint(3, model.config.vocab_size, (1, args.unit), generator=gen)
+            ids = unit.repeat(1, -(-context // args.unit))[:, :context].to(device)
+        else:
+            ids = torch.cat([text[:, :context - args.quote], text[:, :args.quote]], 1).to(device)
         greedy = timed(model, ids, args)
         reference = greedy["sequences"]
         drafts = {"prompt lookup": dict(prompt_lookup_num_tokens=args.lookup_tokens)}

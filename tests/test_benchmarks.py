@@ -64,3 +64,34 @@ def test_speculative_benchmark_compares_drafts_with_greedy(tmp_path):
     assert rows[1]["equal"] and rows[2]["equal"]
     assert rows[1]["spec"]["tokens_per_pass"] == 6 and rows[2]["spec"]["tokens_per_pass"] == 3
     assert "| 70 | oracle, 2 of 5 right |" in (tmp_path / "speculative.md").read_text()
+
+
+def test_speculative_benchmark_on_an_export_and_a_text(tmp_path):
+    """``--model`` / ``--text``: a CCA export loaded as users load it, prompted with a text file and a quote of its
+    start; prompt lookup and the oracle's drafts give the greedy tokens. Bad pairings of the options exit with 2."""
+    from cca_convert.cli import main
+    from tests.factories import save_base
+
+    base = save_base(tmp_path / "base")
+    (tmp_path / "recipe.yaml").write_text("cca: {group_size: 4, local_window: 8}\n"
+                                          "export: {dtype: float32, roundtrip_tokens: 40}\nvalidate: {enabled: false}\n")
+    assert main([str(base), "--recipe", str(tmp_path / "recipe.yaml"), "--output", str(tmp_path / "out")]) == 0
+    text = tmp_path / "text.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 4)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--device", "cpu", "--model",
+           str(tmp_path / "out"), "--text", str(text), "--contexts", "60,90", "--quote", "20", "--new-tokens", "12",
+           "--lookup-tokens", "4", "--oracle-right", "4", "--skip", "1", "--out", str(tmp_path / "res")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "res" / "speculative.json").read_text())["rows"]
+    assert [(r["context"], r["drafts"]) for r in rows] == [(60, "prompt lookup"), (60, "oracle, 4 of 4 right"),
+                                                          (90, "prompt lookup"), (90, "oracle, 4 of 4 right")]
+    assert all(r["equal"] for r in rows)
+    assert "text.txt's first L - 20 tokens, then its first 20 again" in (tmp_path / "res" / "speculative.md").read_text()
+    for bad, why in ((["--model", str(tmp_path / "out")], "--model and --text go together"),
+                     (["--model", str(tmp_path / "out"), "--text", str(text), "--quote", "60"], "--quote must be"),
+                     (["--model", str(tmp_path / "out"), "--text", str(tmp_path / "none.txt"), "--quote", "20"],
+                      "none.txt: no such file")):
+        proc = subprocess.run(cmd[:2] + ["--device", "cpu", "--contexts", "60", *bad], capture_output=True, text=True,
+                              cwd=REPO, timeout=600)
+        assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
