@@ -39,6 +39,7 @@ lookup's drafts (the tokens after the quote's first occurrence) are right for as
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -50,7 +51,6 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
-from cca_convert import published  # noqa: E402
 
 
 class PassClock(BaseStreamer):
@@ -108,7 +108,8 @@ def load_trained(args, dtype, device):
 
 def timed(model, ids, args, **kwargs) -> dict:
     clock = PassClock()
-    graphs_cls = published.load("decode_graph").DecodeGraphs
+    # the decode_graph module of the model's own package (an export loaded with trust_remote_code has its own copy)
+    graphs_cls = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".decode_graph").DecodeGraphs
     capture = graphs_cls.capture
 
     def counted(self, *a, **kw):  # (instrumentation: which passes captured a graph)
