@@ -32,7 +32,7 @@ from transformers.utils import logging
 
 from .attention_hooks import MethodModelMixin, dispatching, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
-from .cache_cca import CCACache, CCALayerCache
+from .cache_cca import SPECULATIVE_SLACK, CCACache, CCALayerCache
 from .cca_reference import apply_rope
 from .decode_graph import DecodeGraphs, FusedModules, take_unrotated
 
@@ -175,11 +175,15 @@ class CCAModelMixin(MethodModelMixin):
         super().__init__(config, *args, **kwargs)
         list(self._hook_attention_modules(_attention))
 
-    def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, **kwargs):
+    def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, logits_to_keep=0, **kwargs):
+        # (logits_to_keep named: generate() passes it only to a forward whose signature shows it; without it a prefill
+        # computes the vocabulary's logits at every prompt position, e.g. 34 GB for 128K tokens of Llama-3.1-8B)
         uses_cca = self.config._attn_implementation == "cca"
         self._refuse_attention_weights(output_attentions)
         if output_attentions is not None:
             kwargs["output_attentions"] = output_attentions
+        if not isinstance(logits_to_keep, int) or logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if uses_cca and use_cache and not self.training and CCASettings(self.config).attn_backend != "full":
             if past_key_values is None or (not isinstance(past_key_values, CCACache)
@@ -189,9 +193,38 @@ class CCAModelMixin(MethodModelMixin):
             (kwargs["input_ids"],), args = args, ()
         if uses_cca and use_cache and not args:
             logits = self._replayed_decode(past_key_values, kwargs)
+            if logits is None:
+                logits = self._prompt_then_drafts(past_key_values, kwargs)
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+
+    def _prompt_then_drafts(self, cache, kwargs):
+        """The first pass of assisted or prompt-lookup decoding (the prompt and the first k drafts in one call, the
+        logits of the last ``logits_to_keep`` = k + 1 columns), run as plain greedy decoding runs the same tokens: the
+        prompt's prefill, then the drafts as a verification pass. In one call of L + k columns the prompt's keys and
+        values would round otherwise than in greedy's prefill of L columns, and a near tie could pick another token."""
+        ids, keep, mask = kwargs.get("input_ids"), kwargs.get("logits_to_keep"), kwargs.get("attention_mask")
+        first_layer = cache.layers[0] if isinstance(cache, CCACache) and cache.layers else None
+        if (type(keep) is not int or not 1 < keep <= SPECULATIVE_SLACK + 1 or ids is None or ids.dim() != 2
+                or keep >= ids.shape[1] or not getattr(first_layer, "record_past", False) or cache.get_seq_length()
+                or (mask is not None and mask.dim() != 2) or not self.GRAPH_INPUTS.issuperset(kwargs)
+                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
+            return None
+        prompt = ids.shape[1] - (keep - 1)
+
+        def columns(part, logits_to_keep):
+            sliced = dict(kwargs, input_ids=ids[:, part], logits_to_keep=logits_to_keep)
+            for name in ("position_ids", "cache_position"):
+                if kwargs.get(name) is not None:
+                    sliced[name] = kwargs[name][..., part]
+            if mask is not None:
+                sliced["attention_mask"] = mask[:, :part.stop]  # the columns so far
+            return sliced
+
+        logits = [self.forward(past_key_values=cache, use_cache=True, **columns(part, n)).logits
+                  for part, n in ((slice(0, prompt), 1), (slice(prompt, ids.shape[1]), keep - 1))]
+        return torch.cat(logits, 1)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate()'s cache: the compressed one from the start (not the DynamicCache ``forward`` would swap at the

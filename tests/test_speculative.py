@@ -3,6 +3,7 @@ tokens of a verification pass (``crop``), so ``generate(prompt_lookup_num_tokens
 ``generate(assistant_model=...)`` give exactly plain greedy output. g=4, s=8: groups complete (and are pooled)
 inside verification passes, and the prompt is longer than the window."""
 
+import functools
 import os
 
 import pytest
@@ -52,6 +53,51 @@ def test_prompt_lookup_equals_greedy(kernels, monkeypatch):
     lookup = model.generate(prompt, prompt_lookup_num_tokens=5, return_dict_in_generate=True, **kw)
     assert torch.equal(lookup.sequences, greedy)
     assert lookup.past_key_values.layers[0].slack == cache_mod.SPECULATIVE_SLACK
+
+
+@torch.no_grad()
+def test_the_first_pass_prefills_the_prompt_as_greedy_does(monkeypatch):
+    """Prompt lookup's first call holds the prompt and its first drafts; it runs as greedy decoding runs the same
+    tokens: the prompt's prefill (greedy's shapes, so greedy's roundings of the prompt's keys and values), then the
+    drafts as a verification pass. Its logits are those of the one call, its cache that of the prompt's prefill."""
+    _, model = _models()
+    prompt = _prompt()
+    calls = []
+    forward = type(model).__mro__[1].forward  # the stock forward under CCAModelMixin's
+
+    @functools.wraps(forward)  # (generate() reads the signature: it passes logits_to_keep to a forward that shows it)
+    def counted(self, *args, **kwargs):
+        calls.append((kwargs["input_ids"].shape[1], kwargs.get("logits_to_keep")))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model).__mro__[1], "forward", counted)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=5, **kw)
+    n = prompt.shape[1]
+    assert calls[:3] == [(n + 5, 6), (n, 1), (5, 5)]  # generate()'s call, then the prompt alone and its 5 drafts
+    monkeypatch.undo()
+    assert torch.equal(lookup, model.generate(prompt, **kw))
+
+    cca_hf = published.load("cca_hf")
+    ids = torch.cat([prompt, prompt[:, :4]], 1)
+    one = cca_hf.HFCCACache(model.config)
+    one.activate_past_recording()
+    logits = model(ids, past_key_values=one, use_cache=True, logits_to_keep=5).logits
+    assert logits.shape[1] == 5
+    full = model(ids, use_cache=False).logits[:, -5:]
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+    one.crop(-4)
+    alone = cca_hf.HFCCACache(model.config)
+    alone.activate_past_recording()
+    model(prompt, past_key_values=alone, use_cache=True, logits_to_keep=1)
+    for a, b in zip(one.layers, alone.layers):
+        assert torch.equal(a.seen, b.seen) and a.cols == b.cols
+        slots = torch.arange(prompt.shape[1]) % a.win_k.shape[2]  # (the cropped drafts' slots are stale, unread)
+        for name in ("win_k", "win_v"):
+            assert torch.equal(getattr(a, name)[:, :, slots], getattr(b, name)[:, :, slots]), name
+        n_core = prompt.shape[1] // G
+        for name in ("core_k", "core_v"):
+            assert torch.equal(getattr(a, name)[:, :, :n_core], getattr(b, name)[:, :, :n_core]), name
 
 
 @torch.no_grad()
