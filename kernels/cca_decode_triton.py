@@ -4,7 +4,9 @@
 split-K (each program reduces one slice of the core and one slice of the ring; a second kernel merges
 the partial softmaxes) and GQA-packed (a program serves the ``r`` query heads of one KV head, so every
 key and value is read once). Pooling ``query`` (one core token per query head) reads each head's own
-core keys in the same tile. Twin: ``cache_cca.cca_decode_attention_torch``.
+core keys in the same tile. A verification pass of speculative decoding (a few tokens per sequence) runs as
+one launch: a tile's rows are the heads of as many of its tokens as fit in 16 rows, which then read each key
+once, and every token's numbers are those of its one-token step. Twin: ``cache_cca.cca_decode_attention_torch``.
 
 ``cca_decode_append_triton``: RoPE of the new q/k, writes the token into the ring buffers, records the
 group middle's rotary tables and, for sequences whose group just completed, pools it into a core token.
@@ -25,87 +27,106 @@ def _next_pow2(n: int) -> int:
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, CK, CV, WK, WV, NCORE, POS, LO, ACC, ML,
-    s_qb, s_qh, s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn,
-    scale, n_kv, W, WL, core_per_split, win_per_split, n_splits, G, S,
-    R: tl.constexpr, R_PAD: tl.constexpr, R_CORE: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DERIVE: tl.constexpr,
+    Q, CK, CV, WK, WV, NCORE, POS, LO, REAL, ACC, ML,
+    s_qb, s_qt, s_qh, s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_rb, s_rt,
+    scale, n_kv, n_tok, n_tb, W, WL, core_per_split, n_splits, G, S,
+    R: tl.constexpr, R_PAD: tl.constexpr, TPP: tl.constexpr, R_CORE: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DERIVE: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = (pid // n_kv).to(tl.int64)  # large batches: offsets past 2**31
-    j = pid % n_kv
-    rr = tl.arange(0, R_PAD)
+    tb = pid % n_tb
+    b = (pid // n_tb // n_kv).to(tl.int64)  # large batches: offsets past 2**31
+    j = (pid // n_tb) % n_kv
+    # A tile's rows are (token, head) pairs: the R query heads of KV head j for TPP of the pass's tokens. A row's
+    # numbers do not depend on the other rows, nor does any tile's extent: a pass's token gets the bits of the
+    # one-token step it stands for.
+    rows = tl.arange(0, R_PAD)
+    tok = tb * TPP + rows // R
+    head = rows % R
+    rmask = (rows < TPP * R) & (tok < n_tok)
+    heads = j * R + head
     dd = tl.arange(0, D)
     cols = tl.arange(0, BLOCK_N)
-    rmask = rr < R
-    heads = j * R + rr
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dd[None, :], mask=rmask[:, None], other=0.0)
+    q = tl.load(Q + b * s_qb + tok[:, None] * s_qt + heads[:, None] * s_qh + dd[None, :], mask=rmask[:, None], other=0.0)
     q = q.to(CK.dtype.element_ty)
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     acc = tl.zeros([R_PAD, D], tl.float32)
 
+    # each row's position: the sequence's count of seen tokens plus the pass's real tokens before it
+    if HAS_REAL:
+        off = tl.zeros([R_PAD], tl.int32)
+        for i in range(0, n_tok - 1):
+            real_i = (tl.load(REAL + b * s_rb + i * s_rt) != 0).to(tl.int32)
+            off += tl.where(tok > i, real_i, 0)
+    else:
+        off = tok
+    t = tl.load(POS + b).to(tl.int32) + off
+    if DERIVE:  # CCA's own visibility: the complete groups before the local window, raw keys from the next group on
+        n_core = tl.maximum(t + 1 - S, 0) // G
+        lo = n_core * G
+    else:
+        n_core = tl.load(NCORE + b).to(tl.int32) + tl.zeros([R_PAD], tl.int32)
+        lo = tl.load(LO + b).to(tl.int32) + tl.zeros([R_PAD], tl.int32)
+
     # Core tokens [c0, c1). Pooling "query": a tile holds BN_C tokens of each of the R heads, row h*BN_C + n;
     # each query row only keeps the columns of its own head.
     BN_C: tl.constexpr = BLOCK_N // R_CORE
     col_head = cols // BN_C
     col_tok = cols % BN_C
-    t = tl.load(POS + b).to(tl.int32)
-    if DERIVE:  # CCA's own visibility: the complete groups before the local window, raw keys from the next group on
-        n_core = tl.maximum(t + 1 - S, 0) // G
-        lo = n_core * G
-    else:
-        n_core = tl.load(NCORE + b).to(tl.int32)
-        lo = tl.load(LO + b).to(tl.int32)
     c0 = split * core_per_split
-    c1 = tl.minimum(c0 + core_per_split, n_core)
+    c1 = tl.minimum(c0 + core_per_split, tl.max(tl.where(rmask, n_core, 0), 0))
     for start in range(c0, c1, BN_C):
-        tok = start + col_tok
-        valid = tok < c1
+        ctok = start + col_tok
+        valid = ctok < c1
         if R_CORE == 1:
             kh = j
         else:
             kh = j * R + col_head
             valid = valid & (col_head < R)
-        k = tl.load(CK + b * s_ckb + (kh * s_ckh + tok * s_ckn)[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(CK + b * s_ckb + (kh * s_ckh + ctok * s_ckn)[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k))
-        ok = valid[None, :]
+        ok = valid[None, :] & (ctok[None, :] < n_core[:, None])
         if R_CORE > 1:
-            ok = ok & (col_head[None, :] == rr[:, None])
+            ok = ok & (col_head[None, :] == head[:, None])
         sc = tl.where(ok, sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(CV + b * s_cvb + (kh * s_cvh + tok * s_cvn)[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(CV + b * s_cvb + (kh * s_cvh + ctok * s_cvn)[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # Raw keys: the last WL positions (WL <= W), oldest first, split [w0, w1) of them; position p sits in ring slot
-    # p mod W; visible when >= lo. Splitting positions, not slots, keeps the splits (and so the roundings) of a ring
-    # with the speculative slack (W > WL) those of a ring without it.
-    w0 = split * win_per_split
-    w1 = tl.minimum(w0 + win_per_split, WL)
-    for start in range(w0, w1, BLOCK_N):
-        off = start + cols
-        spos = t - (WL - 1) + off
-        slot = ((spos % W) + W) % W
-        valid = (off < w1) & (spos >= lo) & (spos >= 0)
+    # Raw keys: a row sees positions [max(t - WL + 1, lo, 0), t]; position p sits in ring slot p mod W. Tiles are
+    # blocks of BLOCK_N absolute positions, block kb in split kb mod n_splits: the same tiles, splits and order for
+    # a token whether it is decoded alone or in a pass (a block or core tile a row does not see leaves its numbers
+    # exactly as they were), and for a ring with the speculative slack (W > WL) as for one without.
+    vis_lo = tl.maximum(tl.maximum(t - (WL - 1), lo), 0)
+    p_lo = tl.min(tl.where(rmask, vis_lo, 2147483647), 0)
+    p_hi = tl.max(tl.where(rmask, t, -1), 0)
+    kb0 = p_lo // BLOCK_N
+    first = kb0 + ((split - kb0) % n_splits + n_splits) % n_splits
+    for kb in range(first, p_hi // BLOCK_N + 1, n_splits):
+        spos = kb * BLOCK_N + cols
+        slot = spos % W
+        valid = (spos >= p_lo) & (spos <= p_hi)
         k = tl.load(WK + b * s_wkb + j * s_wkh + slot[:, None] * s_wkn + dd[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        ok = (spos[None, :] >= vis_lo[:, None]) & (spos[None, :] <= t[:, None])
+        sc = tl.where(ok, sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -118,20 +139,25 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    row = (b * n_kv * R + heads) * n_splits + split  # ACC (B*H, S, D), ML (B*H, S, 2)
+    row = ((b * n_tok + tok) * (n_kv * R) + heads) * n_splits + split  # ACC (B*n*H, S, D), ML (B*n*H, S, 2)
     tl.store(ACC + row[:, None] * D + dd[None, :], acc, mask=rmask[:, None])
     tl.store(ML + row * 2, m_i, mask=rmask)
     tl.store(ML + row * 2 + 1, l_i, mask=rmask)
 
 
 @triton.jit
-def _decode_combine_kernel(ACC, ML, OUT, POS, REAL, s_real, n_heads, n_splits, S_PAD: tl.constexpr, D: tl.constexpr,
-                           ADVANCE: tl.constexpr, HAS_REAL: tl.constexpr):
-    pid = tl.program_id(0)  # b * H + h; OUT is (B, H, D) contiguous
-    if ADVANCE:  # count the token into POS: every program of the first kernel has read it (the cache's seen += real)
-        if pid % n_heads == 0:
-            b = pid // n_heads
-            step = (tl.load(REAL + b * s_real) != 0).to(tl.int32) if HAS_REAL else 1
+def _decode_combine_kernel(ACC, ML, OUT, POS, REAL, s_rb, s_rt, n_heads, n_tok, n_splits, S_PAD: tl.constexpr,
+                           D: tl.constexpr, ADVANCE: tl.constexpr, HAS_REAL: tl.constexpr):
+    pid = tl.program_id(0)  # (b * n_tok + i) * H + h; OUT is (B, n_tok, H, D) contiguous
+    if ADVANCE:  # count the pass's real tokens into POS: every program of the first kernel has read it
+        if pid % (n_heads * n_tok) == 0:
+            b = pid // (n_heads * n_tok)
+            if HAS_REAL:
+                step = n_tok * 0
+                for i in range(0, n_tok):
+                    step += (tl.load(REAL + b * s_rb + i * s_rt) != 0).to(tl.int32)
+            else:
+                step = n_tok
             tl.store(POS + b, tl.load(POS + b) + step)
     ss = tl.arange(0, S_PAD)
     dd = tl.arange(0, D)
@@ -152,14 +178,21 @@ def _as_loadable(real):
 
 def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale, num_splits=None, block_n=64,
                                 group_size=None, local_window=None, advance=None):
-    """Same contract as ``cache_cca.cca_decode_attention_torch``: returns (B, H, d) in ``q.dtype``. With ``n_core`` and
-    ``win_lo`` None the kernel derives them from ``pos``, ``group_size`` and ``local_window`` (CCA's visibility).
-    ``advance`` (True, or (B,) 0/1 of real tokens, any dtype and stride): then added to ``pos`` in place, after every
-    read of it (the cache's count of seen tokens, without a launch of its own)."""
+    """Same contract as ``cache_cca.cca_decode_attention_torch``: ``q`` (B, H, d) one query per sequence at ``pos``;
+    returns (B, H, d) in ``q.dtype``. With ``n_core`` and ``win_lo`` None the kernel derives them from ``pos``,
+    ``group_size`` and ``local_window`` (CCA's visibility); then ``q`` may also be (B, n, H, d): the n tokens of a
+    verification pass, each at ``pos`` plus the pass's real tokens before it, whose keys the ring already holds
+    (returns (B, n, H, d): each token's output bit for bit that of its one-token call). ``advance`` (True, or the
+    pass's (B,) / (B, n) 0/1 of real tokens, any dtype and strides): then the real tokens are added to ``pos`` in
+    place, after every read of it (the cache's count of seen tokens, without a launch of its own)."""
     derive = n_core is None
     if advance is not None and not derive:
         raise ValueError("advance counts the token into pos: only with the visibility derived from pos")
-    bsz, n_heads, head_dim = q.shape
+    one = q.dim() == 3
+    if not one and not derive:
+        raise ValueError("several tokens per row: only with the visibility derived from pos")
+    q = q[:, None] if one else q
+    bsz, n_tok, n_heads, head_dim = q.shape
     n_kv, window = win_k.shape[1], win_k.shape[2]
     # the positions a query may see raw: s + g - 1 (a ring with the cache's speculative slack holds more)
     visible = min(window, local_window + group_size - 1) if derive else window
@@ -170,7 +203,7 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
     block_n = max(block_n, 16 * r_core)
     bn_core = block_n // r_core
     q, core_k, core_v, win_k, win_v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, core_k, core_v, win_k, win_v))
-    if num_splits is None:
+    if num_splits is None:  # (never from the pass's length: a pass splits as its one-token steps do)
         if q.is_cuda:
             dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
             if dev not in _SM_COUNT:
@@ -181,24 +214,34 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         useful = max(1, triton.cdiv(n_core_slots, 4 * bn_core), triton.cdiv(visible, block_n))
         num_splits = max(1, min(triton.cdiv(target, bsz * n_kv), useful, 128))
     core_per_split = triton.cdiv(triton.cdiv(n_core_slots, num_splits), bn_core) * bn_core
-    win_per_split = triton.cdiv(visible, num_splits)
-    acc = torch.empty(bsz * n_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-    ml = torch.empty(bsz * n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
-    _decode_partial_kernel[(bsz * n_kv, num_splits)](
-        q, core_k, core_v, win_k, win_v, pos if derive else n_core, pos, pos if derive else win_lo, acc, ml,
-        q.stride(0), q.stride(1), core_k.stride(0), core_k.stride(1), core_k.stride(2),
+    real = _as_loadable(advance) if isinstance(advance, torch.Tensor) else None
+    if real is not None and real.dim() == 1:
+        real = real[:, None]
+    r_pad = max(16, _next_pow2(rep))
+    # Tokens per tile: as many as fit. A tensor-core product rounds a row alike wherever it sits in the tile
+    # (tests/test_decode_pass.py checks the bits on a GPU); NumPy's matmul, the interpreter's tl.dot, does not:
+    # there each token keeps the rows of its one-token call.
+    tpp = r_pad // rep if q.is_cuda else 1
+    n_tb = triton.cdiv(n_tok, tpp)
+    acc = torch.empty(bsz * n_tok * n_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    ml = torch.empty(bsz * n_tok * n_heads, num_splits, 2, device=q.device, dtype=torch.float32)
+    s_rb, s_rt = real.stride() if real is not None else (0, 0)
+    _decode_partial_kernel[(bsz * n_kv * n_tb, num_splits)](
+        q, core_k, core_v, win_k, win_v, pos if derive else n_core, pos, pos if derive else win_lo,
+        pos if real is None else real, acc, ml,
+        q.stride(0), q.stride(1), q.stride(2), core_k.stride(0), core_k.stride(1), core_k.stride(2),
         core_v.stride(0), core_v.stride(1), core_v.stride(2), win_k.stride(0), win_k.stride(1), win_k.stride(2),
-        win_v.stride(0), win_v.stride(1), win_v.stride(2),
-        scale, n_kv, window, visible, core_per_split, win_per_split, num_splits, group_size or 1, local_window or 1,
-        R=rep, R_PAD=max(16, _next_pow2(rep)), R_CORE=r_core, D=head_dim, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, DERIVE=derive, num_warps=4,
+        win_v.stride(0), win_v.stride(1), win_v.stride(2), s_rb, s_rt,
+        scale, n_kv, n_tok, n_tb, window, visible, core_per_split, num_splits, group_size or 1, local_window or 1,
+        R=rep, R_PAD=r_pad, TPP=tpp, R_CORE=r_core, D=head_dim, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, DERIVE=derive, HAS_REAL=real is not None, num_warps=4,
     )
-    out = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
-    real = _as_loadable(advance) if isinstance(advance, torch.Tensor) else pos
-    _decode_combine_kernel[(bsz * n_heads,)](acc, ml, out, pos, real, real.stride(0), n_heads, num_splits,
-                                             S_PAD=_next_pow2(num_splits), D=head_dim, ADVANCE=advance is not None,
-                                             HAS_REAL=isinstance(advance, torch.Tensor), num_warps=4)
-    return out
+    out = torch.empty(bsz, n_tok, n_heads, head_dim, device=q.device, dtype=q.dtype)
+    _decode_combine_kernel[(bsz * n_tok * n_heads,)](acc, ml, out, pos, pos if real is None else real, s_rb, s_rt, n_heads,
+                                                     n_tok, num_splits, S_PAD=_next_pow2(num_splits), D=head_dim,
+                                                     ADVANCE=advance is not None, HAS_REAL=real is not None,
+                                                     num_warps=4)
+    return out[:, 0] if one else out
 
 
 @triton.jit
@@ -224,10 +267,10 @@ def _eager_rope(x, x_r, c, s, sign):
 @triton.jit
 def _append_pool_kernel(
     Q, K, V, COS, SIN, REAL, SEEN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV,
-    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cb, s_sb, s_real,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct, s_sb, s_st, s_real, s_rt, s_ob, s_ot,
     s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_gb, s_gh, s_gn,
     s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn,
-    scale, n_kv, W, G, GW, M,
+    scale, n_kv, n_tok, W, G, GW, M,
     R: tl.constexpr, R_P: tl.constexpr, D: tl.constexpr, G_P: tl.constexpr, QUERY_POOL: tl.constexpr,
     ROTATED: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
@@ -238,20 +281,52 @@ def _append_pool_kernel(
     dd = tl.arange(0, D)
     rot = (dd + HALF) % D
     sign = tl.where(dd < HALF, -1.0, 1.0)  # rotate_half(x)[d] = sign[d] * x[rot[d]]
+    rr = tl.arange(0, R_P)
+    rmask = rr < R
+    heads = j * R + rr
     t = tl.load(SEEN + b).to(tl.int32)
-    if HAS_REAL:
-        real = tl.load(REAL + b * s_real) != 0
-    else:
-        real = t >= 0
-    c = tl.load(COS + b * s_cb + dd).to(tl.float32)
-    s = tl.load(SIN + b * s_sb + dd).to(tl.float32)
+    # The tables of the last group middle this program appended: a pass's later token that completes the group reads
+    # them here, not from MIDC, which program j == 0 writes (no order between programs within a launch).
+    held = t * 0 - 1
+    mc_held = tl.zeros([D], tl.float32)
+    ms_held = tl.zeros([D], tl.float32)
+    # a pass's tokens one after another, each exactly as a one-token launch (the barrier: the next token's pooling
+    # reads ring slots that other threads of this program wrote)
+    for i in range(0, n_tok):
+        if HAS_REAL:
+            real = tl.load(REAL + b * s_real + i * s_rt) != 0
+        else:
+            real = t >= 0
+        _append_one(Q + b * s_qb + i * s_qt, K + b * s_kb + i * s_kt, V + b * s_vb + i * s_vt, COS + b * s_cb + i * s_ct,
+                    SIN + b * s_sb + i * s_st, QROT + b * s_ob + i * s_ot, WK, WV, GK, MIDC, MIDS, CK, CV, real, t, b, j,
+                    held, mc_held, ms_held, s_qh, s_kh, s_vh, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_gb, s_gh, s_gn,
+                    s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, scale, W, G, GW, M, rr, rmask, heads, dd, rot, sign,
+                    R, D, G_P, QUERY_POOL, ROTATED)
+        mid_here = real & ((t % G) == (G // 2))
+        held = tl.where(mid_here, t // G, held)
+        mc_held = tl.where(mid_here, tl.load(COS + b * s_cb + i * s_ct + dd).to(MIDC.dtype.element_ty).to(tl.float32),
+                           mc_held)
+        ms_held = tl.where(mid_here, tl.load(SIN + b * s_sb + i * s_st + dd).to(MIDS.dtype.element_ty).to(tl.float32),
+                           ms_held)
+        t += real.to(tl.int32)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _append_one(Q, K, V, COS, SIN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV, real, t, b, j, held, mc_held, ms_held,
+                s_qh, s_kh, s_vh, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_gb, s_gh, s_gn,
+                s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, scale, W, G, GW, M, rr, rmask, heads, dd, rot, sign,
+                R: tl.constexpr, D: tl.constexpr, G_P: tl.constexpr, QUERY_POOL: tl.constexpr, ROTATED: tl.constexpr):
+    """One token of sequence ``b``, KV head ``j``, at position ``t`` (its pointers already at the token)."""
+    c = tl.load(COS + dd).to(tl.float32)
+    s = tl.load(SIN + dd).to(tl.float32)
     dt = WK.dtype.element_ty
 
-    k_in = tl.load(K + b * s_kb + j * s_kh + dd)
-    k_in_r = tl.load(K + b * s_kb + j * s_kh + rot)  # the same vector at rotate_half's indices
+    k_in = tl.load(K + j * s_kh + dd)
+    k_in_r = tl.load(K + j * s_kh + rot)  # the same vector at rotate_half's indices
     if ROTATED:  # post-RoPE q/k (the family's RoPE, attention scaling included): undo it for the pre-RoPE keys
-        c_r = tl.load(COS + b * s_cb + rot).to(tl.float32)
-        s_r = tl.load(SIN + b * s_sb + rot).to(tl.float32)
+        c_r = tl.load(COS + rot).to(tl.float32)
+        s_r = tl.load(SIN + rot).to(tl.float32)
         if ROTATED == 2:  # pre-RoPE, rotated here as the family would have: then exactly the post-RoPE path
             k_in, k_in_r = _eager_rope(k_in, k_in_r, c, s, sign), _eager_rope(k_in_r, k_in, c_r, s_r, -sign)
         kf, kf_r = k_in.to(tl.float32), k_in_r.to(tl.float32)
@@ -261,11 +336,8 @@ def _append_pool_kernel(
     else:
         k, k_r = k_in, k_in_r
         k_rot = (k.to(tl.float32) * c + k_r.to(tl.float32) * sign * s).to(dt)
-    v = tl.load(V + b * s_vb + j * s_vh + dd)
-    rr = tl.arange(0, R_P)
-    rmask = rr < R
-    heads = j * R + rr
-    qp = Q + b * s_qb + heads[:, None] * s_qh
+    v = tl.load(V + j * s_vh + dd)
+    qp = Q + heads[:, None] * s_qh
     if ROTATED == 1:
         q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(QROT.dtype.element_ty)
     elif ROTATED == 2:
@@ -276,7 +348,7 @@ def _append_pool_kernel(
         q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * c[None, :]
         q_rot += tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sign * s)[None, :]
         q_rot = q_rot.to(QROT.dtype.element_ty)
-    tl.store(QROT + b * n_kv * R * D + heads[:, None] * D + dd[None, :], q_rot, mask=rmask[:, None])
+    tl.store(QROT + heads[:, None] * D + dd[None, :], q_rot, mask=rmask[:, None])
 
     lim = tl.where(real, D, 0)
     on = dd < lim  # (a vector mask: the interpreter rejects scalar & vector masks)
@@ -293,8 +365,9 @@ def _append_pool_kernel(
         if cur_mid:  # the middle is this very position (g <= 2)
             mc, ms = c, s
         else:
-            mc = tl.load(MIDC + mid).to(tl.float32)
-            ms = tl.load(MIDS + mid).to(tl.float32)
+            mine = held == t // G  # appended earlier in this launch
+            mc = tl.where(mine, mc_held, tl.load(MIDC + mid).to(tl.float32))
+            ms = tl.where(mine, ms_held, tl.load(MIDS + mid).to(tl.float32))
         gi = tl.arange(0, G_P)
         old = gi < G - 1
         cur = (gi == G - 1)[:, None]
@@ -345,23 +418,33 @@ def cca_decode_append_triton(q, k, v, cos, sin, real, seen, win_k, win_v, grp_k,
     ``seen // g`` completes, its core token. Returns RoPE'd ``q``. The rings may be longer than needed (the cache's
     speculative slack): ``win_k/v`` and ``grp_k`` are indexed by position modulo their length, ``mid_cos/sin`` (B, d)
     or (B, M, d), contiguous, hold the middles' tables of M groups (slot ``group % M``).
+    A verification pass's n tokens in one launch, each exactly as its one-token launch: ``q`` (B, H, n, d), ``k``/``v``
+    (B, Hkv, n, d), ``cos``/``sin`` (B, n, d), ``real`` (B, n) or None; token i at ``seen`` plus the pass's real
+    tokens before it (``seen`` itself is left to the attention to advance). Returns (B, n, H, d).
     """
     if rotated == "eager" and q.dtype not in EAGER_ROPE_DTYPES:
         raise ValueError(f"rotated='eager' emulates RoPE's rounding in {EAGER_ROPE_DTYPES}, not {q.dtype}")
-    bsz, n_heads, head_dim = q.shape
+    one = q.dim() == 3
+    if one:
+        q, k, v, cos, sin = q[:, :, None], k[:, :, None], v[:, :, None], cos[:, None], sin[:, None]
+    bsz, n_heads, n_tok, head_dim = q.shape
     n_kv = k.shape[1]
     rep = n_heads // n_kv
     q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
-    q_rot = torch.empty(bsz, n_heads, head_dim, device=q.device, dtype=q.dtype)
-    real = seen if real is None else _as_loadable(real)
+    q_rot = torch.empty(bsz, n_tok, n_heads, head_dim, device=q.device, dtype=q.dtype)
+    has_real = real is not None
+    real = seen[:, None] if real is None else _as_loadable(real)  # (not read without has_real)
+    real = real[:, None] if real.dim() == 1 else real
     _append_pool_kernel[(bsz * n_kv,)](
         q, k, v, cos, sin, real, seen, q_rot, win_k, win_v, grp_k, mid_cos, mid_sin, core_k, core_v,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), real.stride(0),
+        q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2), v.stride(1),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), real.stride(0), real.stride(1),
+        q_rot.stride(0), q_rot.stride(1),
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         grp_k.stride(0), grp_k.stride(1), grp_k.stride(2),
         core_k.stride(0), core_k.stride(1), core_k.stride(2), core_v.stride(0), core_v.stride(1), core_v.stride(2),
-        scale, n_kv, win_k.shape[2], group_size, grp_k.shape[2], mid_cos.shape[1] if mid_cos.dim() == 3 else 1,
+        scale, n_kv, n_tok, win_k.shape[2], group_size, grp_k.shape[2], mid_cos.shape[1] if mid_cos.dim() == 3 else 1,
         R=rep, R_P=_next_pow2(rep), D=head_dim, G_P=_next_pow2(group_size), QUERY_POOL=core_k.shape[1] != n_kv,
-        ROTATED={False: 0, True: 1, "eager": 2}[rotated], HAS_REAL=real is not seen, num_warps=4,
+        ROTATED={False: 0, True: 1, "eager": 2}[rotated], HAS_REAL=has_real, num_warps=4,
     )
-    return q_rot
+    return q_rot[:, 0] if one else q_rot

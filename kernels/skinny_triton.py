@@ -111,11 +111,12 @@ def _gated_kernel(X, G, U, Y, M, K, N, s_xm, ACT: tl.constexpr, IEEE: tl.constex
 def _tiles(columns: int, K: int) -> dict:
     """Launch settings by total output columns and width, the fastest of 36 measured on an H200 for Llama-3.1-8B's
     products at batch 1 (q/k/v together: 64 columns per program; q or o and the down projection: 32; the K/V
-    projections alone: 16)."""
+    projections alone: 16). The o projection's stages: 5 of 2-8 (11.0 us against 12.1 with 3, on 32 layers' weights;
+    stages do not change the rounding)."""
     if columns >= 6144:
         return dict(BLOCK_N=64, BLOCK_K=256, num_stages=4)
     if columns >= 4096:
-        return dict(BLOCK_N=32, BLOCK_K=512, num_stages=4) if K >= 8192 else dict(BLOCK_N=32, BLOCK_K=256, num_stages=3)
+        return dict(BLOCK_N=32, BLOCK_K=512, num_stages=4) if K >= 8192 else dict(BLOCK_N=32, BLOCK_K=256, num_stages=5)
     return dict(BLOCK_N=16, BLOCK_K=512, num_stages=4)
 
 

@@ -17,7 +17,8 @@ decoding, before the prefill): the rings keep ``SPECULATIVE_SLACK`` more positio
 the middles' tables of ``slack // g + 2`` groups (slot ``group % M``). A rejected draft token then overwrites only
 slots that no later query reads, so dropping up to ``slack`` columns (``crop``) just counts them out of ``seen``, in
 place: nothing is copied per step, nothing re-run, and captured steps stay valid. Passes of up to ``slack`` tokens run
-on the decode kernels token by token (a verification pass: what ``decode_graph.py`` captures).
+on the decode kernels, each token with the numbers of its one-token step (a verification pass: what ``decode_graph.py``
+captures).
 
 Memory per layer and sequence: ``(T/g)*C*2 + (s+g-1)*Hkv*2 + g*Hkv`` vectors of ``d`` values, against
 ``2*T*Hkv`` for a full cache (``cache_bytes`` below computes it).
@@ -278,8 +279,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return self.seen is not None and self._token_steps(q)
 
     def _token_steps(self, q) -> bool:
-        """Whether this pass runs the decode kernels token by token: one token, or a verification pass within the
-        speculative slack (a crop of it is done in place)."""
+        """Whether this pass runs the decode kernels, each token as its one-token step: one token, or a verification
+        pass within the speculative slack (a crop of it is done in place)."""
         return (q.shape[2] == 1 or q.shape[2] <= self.slack) and self._on_kernels(q)
 
     def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
@@ -384,23 +385,20 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         t = self.seen  # position of the new token, per sequence
         n = q.shape[2]
         if self._on_kernels(q):
-            # a few launches per layer and token, all writes in place (a CUDA graph can replay the step:
-            # decode_graph.py); the tokens of a verification pass one after another, each as a one-token step
+            # two launches per layer, all writes in place (a CUDA graph can replay the step: decode_graph.py). A
+            # verification pass appends its tokens one after another (the speculative slack keeps every key its
+            # tokens see in the ring), then attends once: each token's numbers are those of its one-token step.
             self._grow_core((self.max_seen + n) // g + 1)
-            outs = []
-            for i in range(n):
-                real = None if mask is None else mask[:, i]
-                q_rot = cca_decode_append_triton(
-                    q[:, :, i], k[:, :, i], v[:, :, i], cos[:, i], sin[:, i], real, t, self.win_k, self.win_v,
-                    self.grp_k, self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale, rotated=rotated,
-                )
-                # the kernel also counts the token into ``seen`` in place: where the next token (or step) reads
-                outs.append(cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v,
-                                                        t, None, scale, group_size=g, local_window=s,
-                                                        advance=True if real is None else real))
+            q_rot = cca_decode_append_triton(q, k, v, cos, sin, mask, t, self.win_k, self.win_v, self.grp_k,
+                                             self.mid_cos, self.mid_sin, self.core_k, self.core_v, g, scale,
+                                             rotated=rotated)  # (B, n, H, d)
+            # the attention also counts the pass's real tokens into ``seen`` in place: where the next step reads
+            out = cca_decode_attention_triton(q_rot, self.core_k, self.core_v, None, self.win_k, self.win_v, t, None,
+                                              scale, group_size=g, local_window=s,
+                                              advance=True if mask is None else mask)
             self.cols += n
             self.max_seen += n
-            return outs[0][:, :, None] if n == 1 else torch.stack(outs, 2)
+            return out.transpose(1, 2)
         if rotated:
             raise RuntimeError("post-RoPE q/k reach CCA's decode only on the Triton path (see decodes_rotated)")
         if n != 1:
@@ -579,8 +577,8 @@ class CCACache(Cache):
                 layer.crop(tokens_to_remove)
 
     def token_steps(self) -> int:
-        """The most tokens a pass may hold to run on the decode kernels token by token (1, or the speculative
-        slack): what a captured step may hold."""
+        """The most tokens a pass may hold to run on the decode kernels (1, or the speculative slack): what a
+        captured step may hold."""
         first = next((x for x in self.layers if isinstance(x, CCALayerCache)), None)
         return max(1, first.slack) if first is not None else 1
 
