@@ -140,3 +140,16 @@ def _check_append(case, rotated, with_pads, dtype):
         assert torch.equal(q_pass[:, i], q_one), i
     for name, a, b in zip(("win_k", "win_v", "grp_k", "mid_cos", "mid_sin", "core_k", "core_v"), passed, state):
         assert torch.equal(a, b), (name, (a - b).abs().amax(-1))
+
+
+def test_a_pass_needs_the_derived_visibility():
+    """Explicit ``n_core``/``win_lo`` describe one query per row: a pass (or ``advance``) with them is refused."""
+    B, H, Hkv, d = 1, 4, 2, 16
+    ck, cv, wk, wv = _state(B, H, Hkv, d, 4, 7, 8, [30], "kv", torch.float32, seed=0)
+    q = torch.randn(B, 3, H, d, device=DEVICE)
+    pos = torch.tensor([30], device=DEVICE)
+    n_core = torch.tensor([5], device=DEVICE)
+    with pytest.raises(ValueError, match="several tokens per row: only with the visibility derived from pos"):
+        kern.cca_decode_attention_triton(q, ck, cv, n_core, wk, wv, pos, n_core * 4, d**-0.5)
+    with pytest.raises(ValueError, match="advance counts the token into pos"):
+        kern.cca_decode_attention_triton(q[:, 0], ck, cv, n_core, wk, wv, pos, n_core * 4, d**-0.5, advance=True)
