@@ -1,7 +1,7 @@
 """Triton kernels for one CCA decoding step against the compressed cache (see ``cache_cca.py``).
 
 ``cca_decode_attention_triton``: one query per sequence over its visible core tokens and raw ring slots,
-split-K (each program reduces one slice of the core and one slice of the ring; a second kernel merges
+split-K (each program reduces one slice of the core and every n-th block of the ring; a second kernel merges
 the partial softmaxes) and GQA-packed (a program serves the ``r`` query heads of one KV head, so every
 key and value is read once). Pooling ``query`` (one core token per query head) reads each head's own
 core keys in the same tile. A verification pass of speculative decoding (a few tokens per sequence) runs as
@@ -38,9 +38,9 @@ def _decode_partial_kernel(
     tb = pid % n_tb
     b = (pid // n_tb // n_kv).to(tl.int64)  # large batches: offsets past 2**31
     j = (pid // n_tb) % n_kv
-    # A tile's rows are (token, head) pairs: the R query heads of KV head j for TPP of the pass's tokens. A row's
-    # numbers do not depend on the other rows, nor does any tile's extent: a pass's token gets the bits of the
-    # one-token step it stands for.
+    # A tile's rows are (token, head) pairs: the R query heads of KV head j for TPP of the pass's tokens. No tile's
+    # extent depends on the pass, and a tensor-core product rounds a row alike whatever the other rows (the wrapper
+    # keeps TPP = 1 where that does not hold): a pass's token gets the bits of the one-token step it stands for.
     rows = tl.arange(0, R_PAD)
     tok = tb * TPP + rows // R
     head = rows % R
