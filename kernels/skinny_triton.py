@@ -6,8 +6,9 @@ small key/value projections at about a third of an H200's bandwidth. Measured on
 projections take 25.7 us as three cuBLAS calls and 12.6 us as one launch here; a gated MLP's gate and up projections
 and activation take 68.0 us as cuBLAS calls and an eager SiLU-multiply, 56.0 us here.
 
-- ``skinny_linear(x, weights, biases)``: ``x @ W_i.T (+ b_i)`` for up to three weights that share ``x``, in one
-  launch. Each program computes ``BLOCK_N`` output columns of one weight.
+- ``skinny_linear(x, weights, biases, residual)``: ``x @ W_i.T (+ b_i)`` for up to three weights that share ``x``, in
+  one launch. Each program computes ``BLOCK_N`` output columns of one weight. With one weight it can add a
+  residual stream to the product (a decoder layer's ``residual + down(h)``: one launch fewer).
 - ``skinny_gated(x, gate, up, act)``: ``act(x @ gate.T) * (x @ up.T)``, a gated MLP's first half, in one launch.
   Each program computes the same columns of both products.
 
@@ -62,17 +63,34 @@ def _product(X, W, M, K, n, col0, s_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _store(Y, B, acc, M, n, col0, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rm = tl.arange(0, BLOCK_M)
-    rn = col0 + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(B + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm[:, None] * n + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < n))
+def _rounded(v, dt: tl.constexpr):
+    """fp32 ``v`` rounded to ``dt`` (nearest, ties to even), kept in fp32. bf16 on the bits: the compiler folds a
+    round trip ``v.to(bf16).to(fp32)`` away."""
+    if dt == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
 
 
 @triton.jit
-def _linear_kernel(X, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, s_xm,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def _store(Y, B, R, acc, M, n, col0, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = col0 + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < n)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:  # eager code rounds the product, then the sum
+        acc = _rounded(acc, Y.dtype.element_ty) + tl.load(R + rm[:, None] * n + rn[None, :], mask=mask).to(tl.float32)
+    tl.store(Y + rm[:, None] * n + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_kernel(X, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, R, M, K, N0, N1, N2, s_xm,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
@@ -85,7 +103,7 @@ def _linear_kernel(X, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, s_xm
     else:
         W, B, Y, n, col0 = W2, B2, Y2, N2, (pid - t0 - t1) * BLOCK_N
     acc = _product(X, W, M, K, n, col0, s_xm, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-    _store(Y, B, acc, M, n, col0, HAS_BIAS, BLOCK_M, BLOCK_N)
+    _store(Y, B, R, acc, M, n, col0, HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -120,11 +138,17 @@ def _tiles(columns: int, K: int) -> dict:
     return dict(BLOCK_N=16, BLOCK_K=512, num_stages=4)
 
 
-def skinny_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
+def skinny_linear(x: torch.Tensor, weights, biases=None, residual=None) -> list[torch.Tensor]:
     """``[x @ w.T + b for w, b in zip(weights, biases)]`` for x (rows, K), 1-3 weights (N_i, K) and biases (all
-    or none), in one launch; check ``usable`` first."""
+    or none), in one launch; check ``usable`` first. ``residual`` (rows, N), one weight only: ``[residual + x @ w.T]``,
+    rounded as eager code rounds it."""
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"skinny_linear takes 1-3 weights, got {len(weights)}")
+    if residual is not None and (len(weights) != 1 or residual.shape != (x.shape[0], weights[0].shape[0])
+                                 or residual.dtype != x.dtype or residual.device != x.device
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"skinny_linear: a residual is added to one weight's product, as a contiguous "
+                         f"({x.shape[0]}, {weights[0].shape[0]}) tensor of x's dtype and device")
     has_bias = biases is not None and biases[0] is not None
     if has_bias and (len(biases) != len(weights) or any(b is None for b in biases)):
         raise ValueError("skinny_linear: give a bias for every weight or for none")
@@ -137,7 +161,9 @@ def skinny_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     N = [w.shape[0] for w in weights] + [0] * pad
     tiles = _tiles(sum(N), K)
     grid = (sum(triton.cdiv(n, tiles["BLOCK_N"]) for n in N),)
-    _linear_kernel[grid](x, *W, *B, *Y, M, K, *N, x.stride(0), HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32,
+    R = ys[0] if residual is None else residual
+    _linear_kernel[grid](x, *W, *B, *Y, R, M, K, *N, x.stride(0), HAS_BIAS=has_bias, HAS_RES=residual is not None,
+                         IEEE=x.dtype == torch.float32,
                          BLOCK_M=MAX_ROWS, num_warps=4, **tiles)
     return ys
 
@@ -160,8 +186,9 @@ def skinny_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str
     return y
 
 
-def skinny_linear_reference(x, weights, biases=None) -> list[torch.Tensor]:
-    return [F.linear(x, w, None if biases is None else b) for w, b in zip(weights, biases or [None] * len(weights))]
+def skinny_linear_reference(x, weights, biases=None, residual=None) -> list[torch.Tensor]:
+    ys = [F.linear(x, w, None if biases is None else b) for w, b in zip(weights, biases or [None] * len(weights))]
+    return ys if residual is None else [residual + ys[0]]
 
 
 def skinny_gated_reference(x, gate, up, act: str) -> torch.Tensor:

@@ -241,12 +241,12 @@ class CCAModelMixin(MethodModelMixin):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
         """generate()'s one-token step on a CCA cache gets what the stock method returns: the last column of the ids
-        (a contiguous copy) and of the position ids, the cache, the 2-D mask and ``use_cache``. The stock method spends
-        60-200 us of host time per step on work that does not apply here (a signature inspection for remote-code
-        models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on its stopping
-        criteria after every step."""
+        (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
+        stock method spends 60-200 us of host time per step on work that does not apply here (a signature inspection
+        for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
+        its stopping criteria after every step."""
         if (next_sequence_length != 1 or not isinstance(past_key_values, CCACache) or is_first_iteration
-                or inputs_embeds is not None or not kwargs.keys() <= {"use_cache", "position_ids"}
+                or inputs_embeds is not None or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep"}
                 or input_ids.dim() != 2 or input_ids.device != self.get_input_embeddings().weight.device):
             return super().prepare_inputs_for_generation(
                 input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,

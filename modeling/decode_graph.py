@@ -15,8 +15,10 @@ transformers' own code (``FusedModules``): one fused kernel where eager code lau
 family's RoPE of the step's q/k is left to the CCA decode kernel, which rotates them as it writes the cache
 (``_deferring``; other RoPE calls run a compiled twin). The
 linear layers of up to 16 rows run as Triton products (``skinny_triton.py``, ``SkinnyLinears``): one launch for a
-layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. Prefill, training and
-eager steps keep the stock code.
+layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. A decoder layer whose
+forward is transformers' pre-norm code (``_prenorm_layer``: Llama's and its copies) adds its residuals in other
+launches: the first in the post-attention norm's compiled kernel, the second in the down projection's product. Prefill,
+training and eager steps keep the stock code.
 """
 
 import functools
@@ -34,16 +36,17 @@ except ImportError:  # triton is optional (without it no step is captured)
     EAGER_ROPE_DTYPES = ()
 
 
+def _unhooked(module) -> bool:
+    """No hooks and no patched ``forward`` (accelerate's offloading): what a call replacing the module's would skip."""
+    return "forward" not in module.__dict__ and not module._forward_hooks and not module._forward_pre_hooks
+
+
 def _fusable(model):
-    """The stock modules whose decode-step work is mostly elementwise launches: RMS norms, dense MLPs; not those
-    with hooks or a patched ``forward`` (accelerate's offloading), which a compiled class ``forward`` would skip."""
+    """The stock modules whose decode-step work is mostly elementwise launches: RMS norms, dense MLPs (unhooked)."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if not (kind.endswith("RMSNorm") or (kind.endswith("MLP") and name.endswith(".mlp"))):
-            continue
-        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
-            continue
-        yield module
+        if (kind.endswith("RMSNorm") or (kind.endswith("MLP") and name.endswith(".mlp"))) and _unhooked(module):
+            yield module
 
 
 def _rope_families(model):
@@ -95,6 +98,64 @@ def take_unrotated(q, k) -> bool:
     raise DeferredRopeMismatch("the attention function got other q/k than the family's RoPE returned")
 
 
+def _prenorm_layer(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                   position_embeddings=None, **kwargs):
+    # transformers' pre-norm decoder layer (Llama's; Qwen2's, Qwen3's, Mistral's... are copies), verbatim: a layer
+    # class whose forward compiles to this same code runs as ``FusedModules.layer_step`` in a captured step
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    # Self Attention
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = residual + hidden_states
+
+    # Fully Connected
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+
+
+_CODE = ("co_code", "co_consts", "co_names", "co_varnames", "co_freevars", "co_cellvars", "co_argcount",
+         "co_kwonlyargcount", "co_flags")
+
+
+def _checkpointing_wrapper(fn) -> bool:
+    """Whether ``fn`` is the wrapper around a layer's forward that checkpoints it in training (transformers' newer
+    ``GradientCheckpointingLayer``), which otherwise calls the forward: not what runs in a decode step."""
+    code = getattr(fn, "__code__", None)
+    return (hasattr(fn, "__wrapped__") and code is not None and code.co_filename.endswith("modeling_layers.py")
+            and "GradientCheckpointingLayer." in getattr(code, "co_qualname", ""))
+
+
+def _prenorm_layers(model):
+    """The decoder layers whose ``forward`` is ``_prenorm_layer`` (the same bytecode, names and constants: any other
+    code, a hook or a patched ``forward`` keeps the layer stock)."""
+    for module in model.modules():
+        forward = type(module).__dict__.get("forward") or getattr(type(module), "forward", None)
+        while _checkpointing_wrapper(forward):
+            forward = forward.__wrapped__
+        code = getattr(forward, "__code__", None)
+        if code is None or not _unhooked(module) or forward.__defaults__ != _prenorm_layer.__defaults__:
+            continue
+        if all(getattr(code, a) == getattr(_prenorm_layer.__code__, a) for a in _CODE):
+            yield module
+
+
+def _add_then_norm(norm, residual, update):
+    """A pre-norm layer's ``residual + update`` and its norm: one compiled kernel."""
+    total = residual + update
+    return total, type(norm).forward(norm, total)
+
+
 def _compiled(fn):
     """One ``torch.compile`` of ``fn`` per process, so every model (and layer) reuses its compiled shapes."""
     if fn not in _COMPILED:
@@ -105,8 +166,7 @@ def _compiled(fn):
 
 def _plain_linear(module) -> bool:
     """A stock ``nn.Linear`` whose call is its ``forward`` (no LoRA wrapper, hook, patch or user's compile)."""
-    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
-            and not module._forward_pre_hooks and module._compiled_call_impl is None)
+    return type(module) is torch.nn.Linear and _unhooked(module) and module._compiled_call_impl is None
 
 
 def _activation(mlp) -> str | None:
@@ -205,33 +265,42 @@ class SkinnyLinears:
         return [(q, q_call), (k, handed(k)), (v, handed(v))]
 
     def mlp_call(self, mlp, twin):
-        """``mlp``'s call: the Triton gated product and down projection where they apply, else ``twin``."""
+        """``mlp``'s call (``call(x, residual=None)``: with a residual, ``residual + mlp(x)``, the sum in the down
+        projection's launch): the Triton gated product and down projection where they apply, else ``twin``."""
         act = _activation(mlp)
         linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if skinny_linear is None or act is None or not all(_plain_linear(x) and x.bias is None for x in linears):
-            return twin
+            return lambda x, residual=None: twin(x) if residual is None else residual + twin(x)
         gate, up, down = (x.weight for x in linears)
 
-        def call(x):
+        def call(x, residual=None):
+            def stock():
+                return twin(x) if residual is None else residual + twin(x)
+
             rows = _rows(x)
             kind = type(mlp)
             if self.owner.failure is None and self.checked.get(kind, True) and skinny_usable(rows, gate, up):
-                capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-                if kind not in self.checked and capturing:
-                    return twin(x)  # checked on the warm-up step (a capture cannot compare on the host)
+                first = kind not in self.checked  # (checked on its product alone: a residual would hide a difference)
+                if first and x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    return stock()  # checked on the warm-up step (a capture cannot compare on the host)
+                add = None if residual is None or first else _rows(residual)
                 try:
                     h = skinny_gated(rows, gate, up, act)
-                    y = skinny_linear(h, [down])[0] if skinny_usable(h, down) else F.linear(h, down)
+                    if skinny_usable(h, down) and (add is None or add.is_contiguous()):
+                        y = skinny_linear(h, [down], None, add)[0]
+                    else:
+                        y = F.linear(h, down) if add is None else add + F.linear(h, down)
                     y = y.view(*x.shape[:-1], -1)
                 except Exception as error:
                     self._failed(error)
-                    return twin(x)
-                if kind not in self.checked:
-                    stock = twin(x)
-                    self.checked[kind] = bool((y - stock).abs().max() <= 0.05 * stock.abs().max() + 1e-3)
-                    return y if self.checked[kind] else stock
+                    return stock()
+                if first:
+                    expected = twin(x)
+                    self.checked[kind] = bool((y - expected).abs().max() <= 0.05 * expected.abs().max() + 1e-3)
+                    y = y if self.checked[kind] else expected
+                    return y if residual is None else residual + y
                 return y
-            return twin(x)
+            return stock()
 
         return call
 
@@ -257,6 +326,7 @@ class FusedModules:
         self.defer_rope = True  # off for a family that changes q/k after its RoPE (DeferredRopeMismatch)
         self._twins = {}
         self.skinny = SkinnyLinears(self, model)
+        self.layers = list(_prenorm_layers(model))
 
     def _twin(self, fn):
         if fn not in self._twins:
@@ -279,14 +349,20 @@ class FusedModules:
         if self.failure is not None:
             yield
             return
-        modules = [m for m in self.modules if m._compiled_call_impl is None]  # a user's own compile stays
+        # a user's own compile stays, and so do modules hooked since
+        modules = [m for m in self.modules if m._compiled_call_impl is None and _unhooked(m)]
         linears = [(m, call) for m, call in self.skinny.calls if _plain_linear(m)]  # (hooks added since are kept)
         ropes = [(f, f.apply_rotary_pos_emb) for f in self.families]
+        layers = [m for m in self.layers if m._compiled_call_impl is None and _unhooked(m)]
+        twins = {}  # module -> its call while active
         try:
             for module in modules:
                 twin = functools.partial(self._twin(type(module).forward), module)
                 is_mlp = not type(module).__name__.endswith("RMSNorm")
-                module._compiled_call_impl = self.skinny.mlp_call(module, twin) if is_mlp else twin
+                twins[module] = self.skinny.mlp_call(module, twin) if is_mlp else twin
+                module._compiled_call_impl = twins[module]
+            for layer in layers:
+                layer._compiled_call_impl = functools.partial(self.layer_step, twins, layer)
             for module, call in linears:
                 module._compiled_call_impl = call
             for family, rope in ropes:
@@ -295,13 +371,33 @@ class FusedModules:
             yield
         finally:
             _UNROTATED.clear()
-            for module in modules:
+            for module in modules + layers:
                 module._compiled_call_impl = None
             for module, _ in linears:
                 module._compiled_call_impl = None
             for family, rope in ropes:
                 family.apply_rotary_pos_emb = rope
             self.skinny.release()
+
+
+    def layer_step(self, twins, layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                   use_cache=False, position_embeddings=None, **kwargs):
+        """``_prenorm_layer`` (``layer``'s own code) with its two residual adds fused into other launches: the first
+        into the post-attention norm's compiled kernel, the second into the down projection's product (``twins``:
+        the norm's and the MLP's calls while active; a module without one runs its stock call and the add)."""
+        update, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        norm, mlp = layer.post_attention_layernorm, layer.mlp
+        if norm in twins:
+            hidden_states, update = self._twin(_add_then_norm)(norm, hidden_states, update)
+        else:
+            hidden_states = hidden_states + update
+            update = norm(hidden_states)
+        if mlp in twins:
+            return twins[mlp](update, hidden_states)
+        return hidden_states + mlp(update)
 
 
 class _Captured:

@@ -126,7 +126,10 @@ def test_a_decode_steps_inputs_equal_the_stock_preparation(monkeypatch):
     fast = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True),
             dict(next_sequence_length=1, past_key_values=cache, attention_mask=None),
             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, position_ids=mask.cumsum(-1)),
-            dict(next_sequence_length=1, past_key_values=cache, position_ids=mask[:, -1:], use_cache=True)]
+            dict(next_sequence_length=1, past_key_values=cache, position_ids=mask[:, -1:], use_cache=True),
+            # what generate() passes (it names logits_to_keep for a forward whose signature shows it)
+            dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, logits_to_keep=1, use_cache=True,
+                 position_ids=None)]
     slow = [dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, is_first_iteration=True),
             dict(next_sequence_length=3, past_key_values=cache, attention_mask=mask, use_cache=True),
             dict(next_sequence_length=1, past_key_values=cache, attention_mask=mask, token_type_ids=mask),
@@ -147,3 +150,19 @@ def test_a_decode_steps_inputs_equal_the_stock_preparation(monkeypatch):
                 assert got[key] is value, key
     step = cca.prepare_inputs_for_generation(x, **fast[0])
     assert step["input_ids"].data_ptr() != x.data_ptr()  # a copy: generate's ids grow under it
+
+
+@torch.no_grad()
+def test_generate_prepares_its_one_token_steps_on_the_fast_path(monkeypatch):
+    """In a real generate() (what it passes, e.g. ``logits_to_keep``), only the prefill takes the stock preparation:
+    every one-token step is prepared by the CCA class itself."""
+    _, cca = stock_and_cca("llama")
+    stock = transformers.GenerationMixin.prepare_inputs_for_generation
+    stock_calls = []
+    monkeypatch.setattr(transformers.GenerationMixin, "prepare_inputs_for_generation",
+                        lambda self, input_ids, **k: stock_calls.append(input_ids.shape[1]) or stock(self, input_ids, **k))
+    x = ids(bsz=2, length=13)
+    out = cca.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       use_cache=True, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, hf.CCACache) and out.sequences.shape[1] == 19
+    assert stock_calls == [13]

@@ -120,6 +120,47 @@ def test_skinny_linears_give_the_stock_numbers_and_put_everything_back(family, m
     assert fused.skinny.checked == ({} if family == "phi3" else {type(model.model.layers[0].mlp): True})
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton products run on a CPU only interpreted")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3"])
+@torch.no_grad()
+def test_prenorm_layers_add_their_residuals_in_other_launches(family, monkeypatch):
+    """A layer whose forward is transformers' pre-norm code (Llama's and its copies) runs it with its residual adds
+    fused: the first into the post-attention norm's compiled kernel, the second into the down projection's product.
+    The logits are the stock model's. Other layer code (Gemma 3's four norms, Phi-3's) and a hooked layer stay stock;
+    leaving ``active()`` restores every layer."""
+    decode_graph = published.load("decode_graph")
+    monkeypatch.setattr(decode_graph, "_compiled", lambda fn: fn)  # the twins: the stock functions (no compiler)
+    residuals, sums = [], []
+    kernel, add_then_norm = decode_graph.skinny_linear, decode_graph._add_then_norm
+    monkeypatch.setattr(decode_graph, "skinny_linear",
+                        lambda x, w, b=None, r=None: residuals.append(r is not None) or kernel(x, w, b, r))
+    monkeypatch.setattr(decode_graph, "_add_then_norm", lambda *a: sums.append(a[0]) or add_then_norm(*a))
+    model = _model(torch.float32, family=family, device="cpu")
+    layers = list(model.model.layers)
+    if family == "llama":
+        layers[-1].register_forward_pre_hook(lambda *args: None)
+    fused = decode_graph.FusedModules(model)
+    expected_layers = {"gemma3_text": [], "phi3": [], "llama": layers[:-1]}.get(family, layers)
+    assert fused.layers == expected_layers
+    x = torch.randint(3, 96, (3, 1), generator=torch.Generator().manual_seed(5))
+    expected = model(x, use_cache=False).logits
+    for round in range(2):  # (the first call of an MLP class checks its product against the stock twin)
+        residuals.clear(), sums.clear()
+        with fused.active():
+            got = model(x, use_cache=False).logits
+        assert fused.failure is None, fused.failure
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert sums == [layer.post_attention_layernorm for layer in expected_layers]
+        assert sum(residuals) == len(expected_layers) - (round == 0 and expected_layers[:1] == layers[:1])
+        assert all(layer._compiled_call_impl is None for layer in layers)
+    if expected_layers:  # a hook added since the layers were found: that layer runs its stock code again
+        expected_layers[0].register_forward_hook(lambda *args: None)
+        sums.clear()
+        with fused.active():
+            torch.testing.assert_close(model(x, use_cache=False).logits, expected, atol=1e-5, rtol=1e-5)
+        assert sums == [layer.post_attention_layernorm for layer in expected_layers[1:]]
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
                     reason="Inductor on a CPU needs a C++ compiler")
 @torch.no_grad()
@@ -164,6 +205,7 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
     fused = model._fused_modules  # the steps were captured with the compiled norms, MLPs and RoPE
     layers = model.config.num_hidden_layers  # two norms and an MLP each, and the final norm
     assert fused.failure is None and len(fused.modules) == 3 * layers + 1, [type(m).__name__ for m in fused.modules]
+    assert len(fused.layers) == layers  # (Llama's pre-norm layers: residual adds fused, on this Python's bytecode)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), **tol)
     if dtype == torch.float32:

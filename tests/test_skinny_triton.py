@@ -1,5 +1,5 @@
 """The decode step's few-row Triton products (``kernels/skinny_triton.py``) vs ``F.linear``: odd widths and column
-counts (not multiples of a tile), 1-16 rows, one to three weights, biases, both activations.
+counts (not multiples of a tile), 1-16 rows, one to three weights, biases, a residual added, both activations.
 
 CPU: only under ``TRITON_INTERPRET=1``, small shapes. GPU: Llama-3.1-8B's shapes in bf16 (``-m gpu``)."""
 
@@ -60,6 +60,23 @@ def test_gated_matches_reference(rows, act, N, K):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(40, 24), (97, 300)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_adds_a_residual(rows, N, K, bias):
+    sk = _skinny()
+    x, w = _rand(rows, K, seed=rows), _rand(N, K, seed=1, scale=K**-0.5)
+    b = [_rand(N, seed=2)] if bias else None
+    residual = _rand(rows, N, seed=3, scale=30.0)
+    (got,) = sk.skinny_linear(x, [w], b, residual)
+    (expected,) = sk.skinny_linear_reference(x, [w], b, residual)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="a residual is added to one weight's product"):
+        sk.skinny_linear(x, [w, w], None, residual)
+    with pytest.raises(ValueError, match=f"contiguous \\({rows}, {N}\\) tensor"):
+        sk.skinny_linear(x, [w], None, residual[:, :-1])
+
+
 def test_strided_rows_and_refusals():
     sk = _skinny()
     x = _rand(3, 2 * 48, seed=0)[:, ::1][:, :48]  # rows 96 apart in memory
@@ -98,3 +115,8 @@ def test_gpu_llama_8b_shapes(rows, dtype):
         rounded = sk.skinny_gated_reference(x, gate, up, act).float()
         assert (got.float() - exact).abs().max() <= 2 * (rounded - exact).abs().max() + 1e-2
         _close_bf16(sk.skinny_linear(got, [down]), got, [down], None, dtype)
+    # a residual in the product's launch: the bits of the product, then eager code's add
+    residual = _rand(rows, 4096, seed=11, dtype=dtype, scale=20.0)
+    for h, w in ((x, o), (sk.skinny_gated(x, gate, up, "silu"), down)):
+        (plain,) = sk.skinny_linear(h, [w])
+        assert torch.equal(sk.skinny_linear(h, [w], None, residual)[0], residual + plain)
