@@ -379,7 +379,6 @@ class FusedModules:
                 family.apply_rotary_pos_emb = rope
             self.skinny.release()
 
-
     def layer_step(self, twins, layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                    use_cache=False, position_embeddings=None, **kwargs):
         """``_prenorm_layer`` (``layer``'s own code) with its two residual adds fused into other launches: the first
