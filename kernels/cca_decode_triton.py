@@ -1,8 +1,8 @@
 """Triton kernels for one CCA decoding step against the compressed cache (see ``cache_cca.py``).
 
 ``cca_decode_attention_triton``: one query per sequence over its visible core tokens and raw ring slots,
-split-K (each program reduces one slice of the core and every n-th block of the ring; a second kernel merges
-the partial softmaxes) and GQA-packed (a program serves the ``r`` query heads of one KV head, so every
+split-K (each program reduces every n-th tile of the core and of the ring; a second kernel merges the partial
+softmaxes) and GQA-packed (a program serves the ``r`` query heads of one KV head, so every
 key and value is read once). Pooling ``query`` (one core token per query head) reads each head's own
 core keys in the same tile. A verification pass of speculative decoding (a few tokens per sequence) runs as
 one launch: a tile's rows are the heads of as many of its tokens as fit in 16 rows, which then read each key
@@ -29,7 +29,7 @@ def _next_pow2(n: int) -> int:
 def _decode_partial_kernel(
     Q, CK, CV, WK, WV, NCORE, POS, LO, REAL, ACC, ML,
     s_qb, s_qt, s_qh, s_ckb, s_ckh, s_ckn, s_cvb, s_cvh, s_cvn, s_wkb, s_wkh, s_wkn, s_wvb, s_wvh, s_wvn, s_rb, s_rt,
-    scale, n_kv, n_tok, n_tb, W, WL, core_per_split, n_splits, G, S,
+    scale, n_kv, n_tok, n_tb, W, WL, n_splits, G, S,
     R: tl.constexpr, R_PAD: tl.constexpr, TPP: tl.constexpr, R_CORE: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DERIVE: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
@@ -71,15 +71,15 @@ def _decode_partial_kernel(
         n_core = tl.load(NCORE + b).to(tl.int32) + tl.zeros([R_PAD], tl.int32)
         lo = tl.load(LO + b).to(tl.int32) + tl.zeros([R_PAD], tl.int32)
 
-    # Core tokens [c0, c1). Pooling "query": a tile holds BN_C tokens of each of the R heads, row h*BN_C + n;
-    # each query row only keeps the columns of its own head.
+    # Core tokens, in tiles of BN_C: tile cb in split cb mod n_splits, so that the splits share the core evenly
+    # however many slots the cache holds, and a token's tiles do not depend on the pass. Pooling "query": a tile
+    # holds BN_C tokens of each of the R heads, row h*BN_C + n; each query row only keeps its own head's columns.
     BN_C: tl.constexpr = BLOCK_N // R_CORE
     col_head = cols // BN_C
     col_tok = cols % BN_C
-    c0 = split * core_per_split
-    c1 = tl.minimum(c0 + core_per_split, tl.max(tl.where(rmask, n_core, 0), 0))
-    for start in range(c0, c1, BN_C):
-        ctok = start + col_tok
+    c1 = tl.max(tl.where(rmask, n_core, 0), 0)
+    for cb in range(split, tl.cdiv(c1, BN_C), n_splits):
+        ctok = cb * BN_C + col_tok
         valid = ctok < c1
         if R_CORE == 1:
             kh = j
@@ -213,7 +213,6 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
             target = 8
         useful = max(1, triton.cdiv(n_core_slots, 4 * bn_core), triton.cdiv(visible, block_n))
         num_splits = max(1, min(triton.cdiv(target, bsz * n_kv), useful, 128))
-    core_per_split = triton.cdiv(triton.cdiv(n_core_slots, num_splits), bn_core) * bn_core
     real = _as_loadable(advance) if isinstance(advance, torch.Tensor) else None
     if real is not None and real.dim() == 1:
         real = real[:, None]
@@ -232,7 +231,7 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         q.stride(0), q.stride(1), q.stride(2), core_k.stride(0), core_k.stride(1), core_k.stride(2),
         core_v.stride(0), core_v.stride(1), core_v.stride(2), win_k.stride(0), win_k.stride(1), win_k.stride(2),
         win_v.stride(0), win_v.stride(1), win_v.stride(2), s_rb, s_rt,
-        scale, n_kv, n_tok, n_tb, window, visible, core_per_split, num_splits, group_size or 1, local_window or 1,
+        scale, n_kv, n_tok, n_tb, window, visible, num_splits, group_size or 1, local_window or 1,
         R=rep, R_PAD=r_pad, TPP=tpp, R_CORE=r_core, D=head_dim, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DERIVE=derive, HAS_REAL=real is not None, num_warps=4,
     )
