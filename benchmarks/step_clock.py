@@ -10,10 +10,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 class StepClock(LogitsProcessor):
     """Stamps every generation step: generate calls its logits processors once per new token, after that token's
     forward. Only the first stamp waits for the device (it ends the prefill). Later stamps do not: generate itself
-    waits for the device once per step (its stopping check reads a device flag), so in steady state the stamps
-    keep the period of that loop, the real time per token. A sync here would add one: the host would stop queueing
-    the step's sampling and bookkeeping behind the forward, which no user's generate() does (``sync_steps=True``
-    does it anyway: the clock of the results before 2026-11-24, kept to compare)."""
+    waits for the device once per step (its stopping check reads a device flag; with a CCA cache on CUDA the flag
+    of the step before, the host one step ahead), so in steady state the stamps keep the period of that loop, the
+    real time per token. A sync here would add one: the host would stop queueing the step's sampling and
+    bookkeeping behind the forward, which no user's generate() does (``sync_steps=True`` does it anyway: the clock
+    of the results before 2026-11-24, kept to compare)."""
 
     def __init__(self, device, sync_steps=False):
         self.device, self.stamps, self.sync_steps = torch.device(device), [], sync_steps
@@ -26,19 +27,30 @@ class StepClock(LogitsProcessor):
 
 
 def timed_generate(model, ids, new_tokens, skip=4, sync_steps=False, **kwargs) -> dict:
-    """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``. ``prefill_s``: start to the first
-    token; ``ms_per_token``: median step after the first ``skip`` (compilation, graph capture); ``steps_ms``: all;
-    ``graph_replays``: steps a CCA cache replayed from a CUDA graph."""
+    """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``, called as users call it (the token
+    ids back, not a dict with the cache: on CUDA a CCA model's generate() then reads its stopping flag one step late,
+    ``cca_hf.defer_stop_checks``). ``prefill_s``: start to the first token; ``ms_per_token``: median step after the
+    first ``skip`` (compilation, graph capture); ``steps_ms``: all; ``graph_replays``: steps a CCA cache replayed
+    from a CUDA graph (its cache is seen by a forward pre-hook, on the first call only)."""
     clock = StepClock(ids.device, sync_steps)
+    caches = []
+
+    def first_cache(module, args, call_kwargs):
+        if not caches:
+            caches.append(call_kwargs.get("past_key_values"))
+
+    hook = model.register_forward_pre_hook(first_cache, with_kwargs=True)
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False,
-                             logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True, **kwargs)
-    graphs = getattr(out.past_key_values, "decode_graphs", None)  # a CCA cache's CUDA-graph record, if it used one
-    out = out.sequences
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False,
+                                 logits_processor=LogitsProcessorList([clock]), **kwargs)
+    finally:
+        hook.remove()
     if out.shape != (ids.shape[0], ids.shape[1] + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {new_tokens} new tokens per row")
+    graphs = getattr(caches[0] if caches else None, "decode_graphs", None)  # a CCA cache's CUDA-graph record
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     if not steps:
         raise ValueError("timed_generate needs new_tokens >= 2")

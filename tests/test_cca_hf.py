@@ -166,3 +166,34 @@ def test_generate_prepares_its_one_token_steps_on_the_fast_path(monkeypatch):
                        use_cache=True, return_dict_in_generate=True)
     assert isinstance(out.past_key_values, hf.CCACache) and out.sequences.shape[1] == 19
     assert stock_calls == [13]
+
+
+def test_generate_defers_its_stop_checks_only_for_a_cca_cache_it_drops_on_cuda():
+    """transformers' ``DeferredStopCheck.is_supported`` says yes for a CCA cache on CUDA that generate() does not
+    hand back; everything else gets transformers' own answer (deferral on MPS only); the option turns it off, and
+    a second install (a reload of the module) replaces its wrapper instead of stacking one more."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.generation.utils import DeferredStopCheck
+
+    _, cca = stock_and_cca("llama")
+    cache, cuda = hf.HFCCACache(cca.config), torch.device("cuda")
+    supported = DeferredStopCheck.is_supported
+    assert supported(cuda, cache, False, is_assistant=False)
+    assert not supported(cuda, cache, True, is_assistant=False)  # handed back: it would record its past for a crop
+    assert not supported(cuda, cache, False, is_assistant=True)
+    assert not supported(torch.device("cpu"), cache, False, is_assistant=False)
+    assert not supported(cuda, DynamicCache(), False, is_assistant=False)
+    assert supported(torch.device("mps"), DynamicCache(), False, is_assistant=False)  # transformers' own
+    cca.config.cca_defer_stop_checks = False
+    assert not supported(cuda, cache, False, is_assistant=False)
+    with pytest.raises(ValueError, match="cca_defer_stop_checks must be true or false"):
+        hf.check_settings(transformers.LlamaConfig(cca_defer_stop_checks="no"))
+
+    def depth(fn):
+        return 0 if not hasattr(fn, "__wrapped_for_cca__") else 1 + depth(fn.__wrapped__)
+
+    before = depth(DeferredStopCheck.is_supported)
+    hf._install_deferred_stop_checks()
+    hf._install_deferred_stop_checks()
+    assert depth(DeferredStopCheck.is_supported) == before >= 1
+    assert DeferredStopCheck.is_supported.__wrapped_for_cca__ is hf.defer_stop_checks

@@ -384,3 +384,41 @@ def test_gpu_twins_survive_many_batch_sizes_of_a_q_k_norm_family():
         assert cache.decode_graphs.replays >= 8 and cache.decode_graphs.failure is None
         assert torch.equal(graphed.sequences, eager.sequences)
     assert model._fused_modules.failure is None
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
+    """On CUDA, generate() with a CCA cache it drops reads its stopping flag one step late (transformers'
+    DeferredStopCheck, ``cca_hf.defer_stop_checks``) while the steps replay CUDA graphs. The tokens are those of the
+    per-step sync: stopped by length, and by EOS (the step run past the stop is dropped), with left padding. A
+    returned cache keeps the sync."""
+    from transformers.generation import utils as generation
+
+    checks, replays = [], []
+    deferred_call, graphs = generation.DeferredStopCheck.__call__, published.load("decode_graph").DecodeGraphs
+    replay = graphs.replay
+    monkeypatch.setattr(generation.DeferredStopCheck, "__call__",
+                        lambda self, *a: checks.append(1) or deferred_call(self, *a))
+    monkeypatch.setattr(graphs, "replay", lambda self, *a: (lambda r: replays.append(r is not None) or r)(replay(self, *a)))
+    model = _model(torch.float32)
+    x, mask = _prompt(2, 23, pads=(0, 5))
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, use_cache=True, max_new_tokens=30)
+
+    def generate(defer, **more):
+        model.config.cca_defer_stop_checks = defer
+        checks.clear(), replays.clear()
+        return model.generate(x, **kw, **more)
+
+    plain = generate(False, eos_token_id=None)
+    assert not checks and sum(replays) >= 25
+    deferred = generate(True, eos_token_id=None)
+    assert len(checks) >= 29 and sum(replays) >= 25
+    assert torch.equal(deferred, plain)
+    eos = [int(plain[0, 23 + 6]), int(plain[1, 23 + 9])]  # each row stops by its 10th new token
+    synced = generate(False, eos_token_id=eos)
+    deferred = generate(True, eos_token_id=eos)
+    assert checks and synced.shape[1] <= 23 + 10
+    assert torch.equal(deferred, synced)
+    out = generate(True, eos_token_id=None, return_dict_in_generate=True)
+    assert not checks and torch.equal(out.sequences, plain)
