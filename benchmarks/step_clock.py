@@ -27,9 +27,8 @@ class StepClock(LogitsProcessor):
 
 
 def timed_generate(model, ids, new_tokens, skip=4, sync_steps=False, **kwargs) -> dict:
-    """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``, called as users call it (the token
-    ids back, not a dict with the cache: on CUDA a CCA model's generate() then reads its stopping flag one step late,
-    ``cca_hf.defer_stop_checks``). ``prefill_s``: start to the first token; ``ms_per_token``: median step after the
+    """``model.generate`` of exactly ``new_tokens`` greedy tokens after ``ids``, called as users most often call it
+    (the token ids back, not a dict with the cache). ``prefill_s``: start to the first token; ``ms_per_token``: median step after the
     first ``skip`` (compilation, graph capture); ``steps_ms``: all; ``graph_replays``: steps a CCA cache replayed
     from a CUDA graph (its cache is seen by a forward pre-hook, on the first call only)."""
     clock = StepClock(ids.device, sync_steps)

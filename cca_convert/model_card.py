@@ -55,9 +55,8 @@ step from a CUDA graph (captured on the first step, again when the cache's buffe
 and MLPs compiled by `torch.compile`, its linear layers run as Triton few-row products and the step's RoPE done by
 the CCA decode kernel inside it (the first steps take seconds longer); `cca_cuda_graphs=False` at load time decodes eagerly, `cca_compile_decode=False` captures
 the stock code. There `generate()` also reads its stopping flag one step late (transformers' `DeferredStopCheck`,
-which it uses by itself only on MPS) unless the cache is handed back (`return_dict_in_generate`, a cache passed in):
-the host queues each step while the previous one runs, and the output is the same; `cca_defer_stop_checks=False`
-keeps the per-step sync.
+which it uses by itself only on MPS): the host queues each step while the previous one runs, and the output is the
+same; `cca_defer_stop_checks=False` keeps the per-step sync.
 
 {extra}
 ## Recipe

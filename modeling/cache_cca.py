@@ -13,7 +13,8 @@ Per layer, for a batch of ``B`` sequences where sequence ``b`` has seen ``T_b`` 
 - ``mid_cos, mid_sin`` (B, 1, d): rotary tables of the current group's middle position.
 
 Speculative decoding (``activate_past_recording``, which ``generate()`` calls for assisted and prompt-lookup
-decoding, before the prefill): the rings keep ``SPECULATIVE_SLACK`` more positions (``W + slack``, ``g + slack``) and
+decoding, before the prefill, and for a deferred stopping check after it: a filled layer then re-lays its rings): the
+rings keep ``SPECULATIVE_SLACK`` more positions (``W + slack``, ``g + slack``) and
 the middles' tables of ``slack // g + 2`` groups (slot ``group % M``). A rejected draft token then overwrites only
 slots that no later query reads, so dropping up to ``slack`` columns (``crop``) just counts them out of ``seen``, in
 place: nothing is copied per step, nothing re-run, and captured steps stay valid. Passes of up to ``slack`` tokens run
@@ -108,6 +109,15 @@ def _ring_gather(x: torch.Tensor, seen: torch.Tensor, size: int, start: int = 0)
     return x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
+def _reringed(ring: torch.Tensor, seen: torch.Tensor, size: int) -> torch.Tensor:
+    """A ring of ``size`` >= its own slots holding the same last positions of rows that have seen ``seen_b`` tokens,
+    slot ``position % size`` (the slots for positions older than the old ring's: stale values no query reads)."""
+    slot = torch.arange(size, device=ring.device)
+    last = (seen - 1)[:, None]
+    position = last - torch.remainder(last - slot, size)  # (B, size): the latest position of each new slot
+    return _rows(ring, torch.remainder(position, ring.shape[2]), 2)
+
+
 def _rows(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` gathered per batch row along ``dim`` at indices ``idx`` (B, n)."""
     shape = [x.shape[0]] + [1] * (x.dim() - 1)
@@ -184,7 +194,18 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         pass
 
     def activate_past_recording(self):
+        """Crops of up to ``SPECULATIVE_SLACK`` columns of what comes next are done in place from now on: a filled
+        layer re-lays its rings with the slack (generate()'s deferred stopping check announces its crops after the
+        prefill). The visible positions, and so the decode kernel's numbers, stay the same."""
         self.record_past = True
+        if self.seen is not None and not self.slack:
+            slack, g = SPECULATIVE_SLACK, self.config.group_size
+            self.win_k, self.win_v, self.grp_k = (_reringed(x, self.seen, x.shape[2] + slack)
+                                                  for x in (self.win_k, self.win_v, self.grp_k))
+            # one middle was kept (the current group's, or the last one's until it is reached): every slot gets it,
+            # and a later group's slot is written at its middle before the group is pooled
+            self.mid_cos, self.mid_sin = (x.expand(-1, slack // g + 2, -1).clone() for x in (self.mid_cos, self.mid_sin))
+            self.slack, self._tail = slack, []
 
     def _state(self, clone: bool) -> dict:
         names = ("seen", "win_k", "win_v", "grp_k", "mid_cos", "mid_sin", "core_k", "core_v")

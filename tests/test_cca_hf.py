@@ -168,10 +168,10 @@ def test_generate_prepares_its_one_token_steps_on_the_fast_path(monkeypatch):
     assert stock_calls == [13]
 
 
-def test_generate_defers_its_stop_checks_only_for_a_cca_cache_it_drops_on_cuda():
-    """transformers' ``DeferredStopCheck.is_supported`` says yes for a CCA cache on CUDA that generate() does not
-    hand back; everything else gets transformers' own answer (deferral on MPS only); the option turns it off, and
-    a second install (a reload of the module) replaces its wrapper instead of stacking one more."""
+def test_generate_defers_its_stop_checks_for_a_cca_cache_on_cuda():
+    """transformers' ``DeferredStopCheck.is_supported`` says yes for a CCA cache on CUDA, returned or not; everything
+    else gets transformers' own answer (deferral on MPS only); the option turns it off, and a second install (a
+    reload of the module) replaces its wrapper instead of stacking one more."""
     from transformers.cache_utils import DynamicCache
     from transformers.generation.utils import DeferredStopCheck
 
@@ -179,7 +179,7 @@ def test_generate_defers_its_stop_checks_only_for_a_cca_cache_it_drops_on_cuda()
     cache, cuda = hf.HFCCACache(cca.config), torch.device("cuda")
     supported = DeferredStopCheck.is_supported
     assert supported(cuda, cache, False, is_assistant=False)
-    assert not supported(cuda, cache, True, is_assistant=False)  # handed back: it would record its past for a crop
+    assert supported(cuda, cache, True, is_assistant=False)  # handed back: it records its past (in-place crops)
     assert not supported(cuda, cache, False, is_assistant=True)
     assert not supported(torch.device("cpu"), cache, False, is_assistant=False)
     assert not supported(cuda, DynamicCache(), False, is_assistant=False)

@@ -391,8 +391,8 @@ def test_gpu_twins_survive_many_batch_sizes_of_a_q_k_norm_family():
 def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
     """On CUDA, generate() with a CCA cache it drops reads its stopping flag one step late (transformers'
     DeferredStopCheck, ``cca_hf.defer_stop_checks``) while the steps replay CUDA graphs. The tokens are those of the
-    per-step sync: stopped by length, and by EOS (the step run past the stop is dropped), with left padding. A
-    returned cache keeps the sync."""
+    per-step sync: stopped by length, and by EOS (the step run past the stop is dropped), with left padding, with
+    the cache dropped or handed back."""
     from transformers.generation import utils as generation
 
     checks, replays = [], []
@@ -420,5 +420,11 @@ def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
     deferred = generate(True, eos_token_id=eos)
     assert checks and synced.shape[1] <= 23 + 10
     assert torch.equal(deferred, synced)
+    # handed back: the cache records its past from the first step on (the rings re-laid with the slack), crops the
+    # step run past an EOS stop in place, and its steps still replay
     out = generate(True, eos_token_id=None, return_dict_in_generate=True)
-    assert not checks and torch.equal(out.sequences, plain)
+    assert len(checks) >= 29 and sum(replays) >= 25 and torch.equal(out.sequences, plain)
+    out = generate(True, eos_token_id=eos, return_dict_in_generate=True)
+    assert checks and torch.equal(out.sequences, synced)
+    assert out.past_key_values.get_seq_length() == synced.shape[1] - 1  # every token but the last one fed
+    assert out.past_key_values.layers[0].slack and not out.past_key_values.layers[0].record_past

@@ -155,6 +155,61 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kernels", [False, True])
+def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeypatch):
+    """generate()'s deferred stopping check calls ``activate_past_recording`` after the prefill, then crops once with
+    no copies. A filled layer then re-lays its rings with the slack. Its steps give the numbers of the layer that
+    never did (bit for bit on the decode kernels), with pads and the group middles the old rings held. Crops of the
+    later steps are done in place, after which the steps give what a run that never saw the dropped columns gives."""
+    _on_kernels(kernels, monkeypatch)
+    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    _, model = _models(backend="auto" if kernels else "reference")
+    slack = cache_mod.SPECULATIVE_SLACK
+    ids = torch.cat([_prompt(bsz=2, seed=5)] * 2, 1)  # (2, 74)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    mask[0, 30] = 0  # a pad column among the steps
+
+    def steps(cache, start, stop):
+        return torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
+                          for i in range(start, stop)], 1)
+
+    def prefilled(n, steps_before=0):
+        cache = cca_hf.HFCCACache(model.config)
+        model(ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache)
+        for i in range(n, n + steps_before):
+            model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache)
+        return cache
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a step within the slack saved its state for crop()")
+
+    for n, before in ((21, 0), (18, 5)):  # the current group's middle already seen, or not yet (g=4: at 2 mod 4)
+        plain, relaid = prefilled(n, before), prefilled(n, before)
+        relaid.activate_past_recording()
+        layer = relaid.layers[0]
+        assert layer.record_past and layer.slack == slack
+        assert layer.win_k.shape[2] == S + G - 1 + slack and layer.grp_k.shape[2] == G + slack
+        assert layer.mid_cos.shape[1] == slack // G + 2
+        start = n + before
+        want = steps(plain, start, start + 20)
+        with monkeypatch.context() as patch:
+            patch.setattr(cache_mod.CCALayerCache, "_state", no_copies)
+            got = steps(relaid, start, start + 20)
+            version = relaid.state_version()
+            relaid.crop(-6)
+        real = mask[:, start:start + 20].bool()  # (a pad column's logits are no token's)
+        if kernels:
+            assert torch.equal(got[real], want[real])
+        else:
+            torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        assert relaid.state_version() == version and relaid.get_seq_length() == start + 14
+        real = mask[:, start + 14:start + 24].bool()
+        torch.testing.assert_close(steps(relaid, start + 14, start + 24)[real],
+                                   steps(prefilled(n, before + 14), start + 14, start + 24)[real], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("assistant", ["same weights", "other weights"])
 def test_assisted_generation_equals_greedy(assistant):
     base, model = _models()
