@@ -440,7 +440,10 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.mid_sin[rows, mid] = torch.where(is_mid, sin[:, 0], self.mid_sin[rows, mid])
 
         n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
-        out = cca_decode_attention_torch(q_rot, self.core_k, self.core_v, n_core, self.win_k, self.win_v, t, n_core * g, scale)
+        win_k, win_v = self.win_k, self.win_v
+        if window > s + g - 1:  # the speculative slack: the spec's ring of s + g - 1 slots, so the step rounds alike
+            win_k, win_v = (_reringed(x, t + 1, s + g - 1) for x in (win_k, win_v))
+        out = cca_decode_attention_torch(q_rot, self.core_k, self.core_v, n_core, win_k, win_v, t, n_core * g, scale)
         out = torch.where(real[:, None, None], out, torch.zeros_like(out))[:, :, None]
 
         # Pool the group ending at t (for every row; only rows whose group completed keep the result:
@@ -513,8 +516,11 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         core_old_ok = torch.arange(self.core_k.shape[2], device=dev)[None, None] < torch.minimum(n_vis, p_old[:, None])[..., None]
         k_new_idx = torch.arange(new_ck.shape[2], device=dev)
         core_new_ok = ((p_old[:, None] + k_new_idx)[:, None, :] < n_vis[..., None]) & (k_new_idx[None, None] < n_groups_new[:, None, None])
-        slot = torch.arange(window, device=dev)
-        slot_pos = (T - 1)[:, None] - torch.remainder((T - 1)[:, None] - slot, window)  # (B, W)
+        # the ring's last s + g - 1 positions (all that the chunk may see raw) in position order: the same keys in
+        # the same order with the speculative slack as without, so that the chunk rounds alike
+        n_ring = min(window, s + g - 1)
+        slot_pos = T[:, None] - n_ring + torch.arange(n_ring, device=dev)  # (B, n_ring)
+        ring = torch.remainder(slot_pos, window)
         ring_ok = (slot_pos[:, None, :] >= lo[..., None]) & (slot_pos[:, None, :] >= 0)
         chunk_ok = (col[None, None, :] <= col[None, :, None]) & (pos[:, None, :] >= lo[..., None]) & real[:, None, :]
         chunk_ok = chunk_ok | (~real[..., None] & (col[None, None, :] == col[None, :, None]))  # pad queries: one key
@@ -523,8 +529,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         def per_head(x):  # (B, C, n, d) -> (B, H, n, d): pooling "kv" shares a KV head's keys among its r heads
             return (x if x.shape[1] == n_heads else x.repeat_interleave(rep, 1)).to(q.dtype)
 
-        keys = torch.cat([per_head(x) for x in (self.core_k, new_ck, self.win_k, k_rot)], 2)
-        vals = torch.cat([per_head(x) for x in (self.core_v, new_cv, self.win_v, v)], 2)
+        keys = torch.cat([per_head(x) for x in (self.core_k, new_ck, _rows(self.win_k, ring, 2), k_rot)], 2)
+        vals = torch.cat([per_head(x) for x in (self.core_v, new_cv, _rows(self.win_v, ring, 2), v)], 2)
         q_rot = q_rot.to(q.dtype)
         # SDPA with the visibility as a boolean mask (memory-efficient kernel on CUDA), in query blocks that bound
         # the mask: no (queries x keys) fp32 score tensor (an 8K chunk at 128K would need ~19 GB of them)

@@ -156,6 +156,35 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
 
 @torch.no_grad()
 @pytest.mark.parametrize("kernels", [False, True])
+def test_the_slack_changes_no_rounding(kernels, monkeypatch):
+    """A cache recording its past from the start (assisted decoding: rings with the speculative slack) gives the
+    logits of one that does not, bit for bit: a chunked prefill (chunks past the slack attend over the ring's
+    visible positions in position order) and decode steps, on the PyTorch path and on the decode kernels."""
+    _on_kernels(kernels, monkeypatch)
+    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    _, model = _models(backend="auto" if kernels else "reference")
+    slack = cache_mod.SPECULATIVE_SLACK
+    ids = torch.cat([_prompt(bsz=2, seed=6)] * 4, 1)  # (2, 120)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cuts = (0, 20, 20 + slack + 3, 20 + 2 * slack + 7)  # a prefill, then two chunks longer than the slack
+    runs = []
+    for record in (False, True):
+        cache = cca_hf.HFCCACache(model.config)
+        if record:
+            cache.activate_past_recording()
+        logits = [model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+                  for a, b in zip(cuts, cuts[1:])]
+        logits += [model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
+                   for i in range(cuts[-1], cuts[-1] + 12)]
+        assert cache.layers[0].slack == (slack if record else 0)
+        runs.append(torch.cat(logits, 1))
+    real = mask[:, : cuts[-1] + 12].bool()
+    assert torch.equal(runs[0][real], runs[1][real])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernels", [False, True])
 def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeypatch):
     """generate()'s deferred stopping check calls ``activate_past_recording`` after the prefill, then crops once with
     no copies. A filled layer then re-lays its rings with the slack. Its steps give the numbers of the layer that
