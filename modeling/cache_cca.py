@@ -62,6 +62,13 @@ SPECULATIVE_SLACK = 32  # extra ring positions while transformers records the pa
 _VERSIONS = itertools.count(1)  # one number per state assignment, never reused: a state's version names it exactly
 
 
+def _slot_positions(last: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, size): the position each slot of a ring of ``size`` slots (slot ``position % size``) holds, for rows whose
+    latest position is ``last`` (B,): the latest position <= ``last`` with that slot."""
+    last = last[:, None]
+    return last - torch.remainder(last - torch.arange(size, device=last.device), size)
+
+
 def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win_lo, scale):
     """One query per sequence over its visible core tokens and raw ring slots (twin of the Triton kernel).
 
@@ -78,8 +85,7 @@ def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win
         core_s = torch.einsum("bjrd,bjpd->bjrp", qf, core_k.float())
     else:
         core_s = torch.einsum("bhd,bhpd->bhp", q.float(), core_k.float()).view(bsz, n_kv, rep, -1)
-    slot = torch.arange(window, device=q.device)
-    slot_pos = pos[:, None] - torch.remainder(pos[:, None] - slot, window)  # position held by each slot
+    slot_pos = _slot_positions(pos, window)
     core_ok = torch.arange(core_k.shape[2], device=q.device)[None] < n_core[:, None]
     raw_ok = slot_pos >= win_lo[:, None]
     scores = torch.cat(
@@ -103,19 +109,14 @@ def cca_decode_attention_torch(q, core_k, core_v, n_core, win_k, win_v, pos, win
 def _ring_gather(x: torch.Tensor, seen: torch.Tensor, size: int, start: int = 0) -> torch.Tensor:
     """Ring of ``size`` slots holding the last ``size`` positions of rows that have seen ``seen_b`` tokens, slot
     ``position % size`` (as the decode steps index it), from ``x[:, :, i]`` = position ``start + i``."""
-    slot = torch.arange(size, device=x.device)
-    last = (seen - 1)[:, None]
-    src = (last - torch.remainder(last - slot, size) - start).clamp(0, x.shape[2] - 1)  # (B, size)
+    src = (_slot_positions(seen - 1, size) - start).clamp(0, x.shape[2] - 1)  # (B, size)
     return x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
 def _reringed(ring: torch.Tensor, seen: torch.Tensor, size: int) -> torch.Tensor:
     """A ring of ``size`` >= its own slots holding the same last positions of rows that have seen ``seen_b`` tokens,
     slot ``position % size`` (the slots for positions older than the old ring's: stale values no query reads)."""
-    slot = torch.arange(size, device=ring.device)
-    last = (seen - 1)[:, None]
-    position = last - torch.remainder(last - slot, size)  # (B, size): the latest position of each new slot
-    return _rows(ring, torch.remainder(position, ring.shape[2]), 2)
+    return _rows(ring, torch.remainder(_slot_positions(seen - 1, size), ring.shape[2]), 2)
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
@@ -551,8 +552,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         T_new = T + n_new
         for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", gw, k)):
             ring = getattr(self, name)
-            last = (T_new - 1)[:, None]
-            slot_pos = last - torch.remainder(last - torch.arange(size, device=dev), size)
+            slot_pos = _slot_positions(T_new - 1, size)
             from_chunk = (slot_pos >= T[:, None])[:, None, :, None]
             fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2)
             setattr(self, name, torch.where(from_chunk, fresh, ring))
