@@ -35,6 +35,24 @@ def _on_kernels(kernels, monkeypatch):
         monkeypatch.setattr(published.load("cache_cca").CCALayerCache, "force_triton", True)
 
 
+def _padded(seed, units):
+    """Two rows of ``units`` repeated prompts, the second left-padded by 3 columns: ids and mask."""
+    ids = torch.cat([_prompt(bsz=2, seed=seed)] * units, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+def _steps(model, ids, mask, cache, start, stop):
+    """The logits of one-token steps over columns ``start .. stop - 1``."""
+    return torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
+                      for i in range(start, stop)], 1)
+
+
+def _no_copies(*args, **kwargs):
+    raise AssertionError("a pass within the slack saved its state for crop()")
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kernels", [False, True])
 def test_prompt_lookup_equals_greedy(kernels, monkeypatch):
@@ -45,11 +63,7 @@ def test_prompt_lookup_equals_greedy(kernels, monkeypatch):
     kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
     greedy = model.generate(prompt, **kw)
     cache_mod = published.load("cache_cca")
-
-    def no_copies(*args, **kwargs):
-        raise AssertionError("a pass within the slack saved its state for crop()")
-
-    monkeypatch.setattr(cache_mod.CCALayerCache, "_state", no_copies)
+    monkeypatch.setattr(cache_mod.CCALayerCache, "_state", _no_copies)
     lookup = model.generate(prompt, prompt_lookup_num_tokens=5, return_dict_in_generate=True, **kw)
     assert torch.equal(lookup.sequences, greedy)
     assert lookup.past_key_values.layers[0].slack == cache_mod.SPECULATIVE_SLACK
@@ -112,9 +126,7 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
     cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
-    ids = torch.cat([_prompt(bsz=2, seed=3)] * 2, 1)  # (2, 74)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
+    ids, mask = _padded(seed=3, units=2)  # (2, 60)
 
     def recorded(n):
         cache = cca_hf.HFCCACache(model.config)
@@ -122,10 +134,7 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
         model(ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache)
         return cache
 
-    def steps(cache, start, stop):
-        return torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
-                          for i in range(start, stop)], 1)
-
+    steps = functools.partial(_steps, model, ids, mask)
     cache = recorded(20)
     layer = cache.layers[0]
     assert layer.slack == slack and layer.win_k.shape[2] == S + G - 1 + slack and layer.grp_k.shape[2] == G + slack
@@ -164,9 +173,7 @@ def test_the_slack_changes_no_rounding(kernels, monkeypatch):
     cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
-    ids = torch.cat([_prompt(bsz=2, seed=6)] * 4, 1)  # (2, 120)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    ids, mask = _padded(seed=6, units=4)  # (2, 120)
     cuts = (0, 20, 20 + slack + 3, 20 + 2 * slack + 7)  # a prefill, then two chunks longer than the slack
     runs = []
     for record in (False, True):
@@ -175,8 +182,7 @@ def test_the_slack_changes_no_rounding(kernels, monkeypatch):
             cache.activate_past_recording()
         logits = [model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
                   for a, b in zip(cuts, cuts[1:])]
-        logits += [model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
-                   for i in range(cuts[-1], cuts[-1] + 12)]
+        logits.append(_steps(model, ids, mask, cache, cuts[-1], cuts[-1] + 12))
         assert cache.layers[0].slack == (slack if record else 0)
         runs.append(torch.cat(logits, 1))
     real = mask[:, : cuts[-1] + 12].bool()
@@ -194,24 +200,16 @@ def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeyp
     cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
-    ids = torch.cat([_prompt(bsz=2, seed=5)] * 2, 1)  # (2, 74)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
+    ids, mask = _padded(seed=5, units=2)  # (2, 60)
     mask[0, 30] = 0  # a pad column among the steps
-
-    def steps(cache, start, stop):
-        return torch.cat([model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache).logits
-                          for i in range(start, stop)], 1)
+    steps = functools.partial(_steps, model, ids, mask)
 
     def prefilled(n, steps_before=0):
         cache = cca_hf.HFCCACache(model.config)
         model(ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache)
-        for i in range(n, n + steps_before):
-            model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache)
+        if steps_before:
+            steps(cache, n, n + steps_before)
         return cache
-
-    def no_copies(*args, **kwargs):
-        raise AssertionError("a step within the slack saved its state for crop()")
 
     for n, before in ((21, 0), (18, 5)):  # the current group's middle already seen, or not yet (g=4: at 2 mod 4)
         plain, relaid = prefilled(n, before), prefilled(n, before)
@@ -223,7 +221,7 @@ def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeyp
         start = n + before
         want = steps(plain, start, start + 20)
         with monkeypatch.context() as patch:
-            patch.setattr(cache_mod.CCALayerCache, "_state", no_copies)
+            patch.setattr(cache_mod.CCALayerCache, "_state", _no_copies)
             got = steps(relaid, start, start + 20)
             version = relaid.state_version()
             relaid.crop(-6)
