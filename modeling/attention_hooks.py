@@ -1,7 +1,7 @@
 """What every attention method's shim (cca_hf.py, dca_hf.py) needs from transformers' stock attention modules.
 
 transformers passes an attention function q, k, v after RoPE and neither the layer's rotary tables nor its cache; a
-forward pre-hook keeps both on the module. The registry holds one function per name while every exported repo ships
+forward pre-hook keeps both on the module for the call. The registry holds one function per name while every exported repo ships
 its own copy of the shim (several may share a process), so the registered function runs the implementation the hook
 stored: the one of the copy that built the module.
 """
@@ -26,6 +26,7 @@ class MethodModelMixin:
         for module in self.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
                 module.register_forward_pre_hook(capture_hook(self.method, implementation), with_kwargs=True)
+                module.register_forward_hook(release_context, always_call=True)
                 yield module
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
@@ -73,6 +74,12 @@ def capture_hook(method: str, implementation):
         module._method_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"), implementation)
 
     return capture
+
+
+def release_context(module, args, output):
+    """A forward hook dropping what ``capture_hook`` stored: kept past the call, it would hold the last cache (and
+    its captured decode steps) and rotary tables alive after ``generate()`` returned."""
+    module._method_ctx = None
 
 
 def dispatching(method: str):

@@ -197,3 +197,25 @@ def test_generate_defers_its_stop_checks_for_a_cca_cache_on_cuda():
     hf._install_deferred_stop_checks()
     assert depth(DeferredStopCheck.is_supported) == before >= 1
     assert DeferredStopCheck.is_supported.__wrapped_for_cca__ is hf.defer_stop_checks
+
+
+def test_the_model_holds_no_cache_after_generate():
+    """Once generate() returned and its output is dropped, nothing in the model keeps the cache (a 128K cache and its
+    captured decode steps are GBs): the attention modules hold their call's tables and cache only for the call."""
+    import gc
+    import weakref
+
+    _, cca = stock_and_cca("llama")
+    caches = []
+    cca.model.register_forward_pre_hook(lambda m, a, k: caches.append(weakref.ref(k["past_key_values"])),
+                                        with_kwargs=True)
+    out = cca.generate(ids(bsz=2, length=13), max_new_tokens=4, do_sample=False, use_cache=True,
+                       return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, hf.CCACache) and caches[0]() is out.past_key_values
+    gc.disable()  # (freed by reference counts, at once, not by a later collection)
+    try:
+        del out
+        assert caches[0]() is None
+        assert all(getattr(m, "_method_ctx", None) is None for m in cca.modules())
+    finally:
+        gc.enable()

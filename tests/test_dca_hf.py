@@ -86,6 +86,25 @@ def test_prompt_lookup_decoding_equals_greedy_through_crop():
     assert torch.equal(lookup, greedy)
 
 
+@torch.no_grad()
+def test_the_model_holds_no_cache_after_a_forward():
+    """The attention modules hold their call's tables and cache only for the call: dropping the output frees the
+    cache at once."""
+    import gc
+    import weakref
+
+    _, dca = stock_and_dca("llama")
+    gc.disable()
+    try:
+        out = dca(ids(), use_cache=True)
+        cache = weakref.ref(out.past_key_values)
+        del out
+        assert cache() is None
+        assert all(getattr(m, "_method_ctx", None) is None for m in dca.modules())
+    finally:
+        gc.enable()
+
+
 def test_attention_weights_are_refused_not_returned_as_none():
     _, model = stock_and_dca("llama")
     with pytest.raises(ValueError, match="output_attentions=True: DCA.*attn_implementation='eager'"):
