@@ -22,6 +22,7 @@ training and eager steps keep the stock code.
 """
 
 import functools
+import gc
 import sys
 from contextlib import contextmanager, nullcontext
 
@@ -59,6 +60,9 @@ def _rope_families(model):
 _COMPILED = {}
 _UNROTATED = {}  # id(k) -> (q, k): one-token q/k a family handed over un-rotated (``_deferring``), strong references
 
+
+CAPTURE_ATTEMPTS = 3  # failed captures (at later steps) before the model decodes eagerly; a layer that syncs with
+# the host fails every time and stops them at once
 
 DEFERRED_TOKENS = 32  # the most tokens per row whose RoPE a captured step leaves to the decode kernel (a
 # verification pass of speculative decoding: its tokens then round exactly as the one-token steps they stand for)
@@ -416,7 +420,8 @@ class DecodeGraphs:
     def __init__(self):
         self.captured = {}  # (batch, tokens per row) -> _Captured
         self.stream = None
-        self.failure = None  # why a capture failed: the model then decodes eagerly
+        self.failures = []  # why captures failed; after CAPTURE_ATTEMPTS (or one host sync) the model decodes eagerly
+        self.failure = None  # (then set: what failed)
         self.replays = 0
         self.wasted = 0  # captures dropped unreplayed since the last replay (beam search reorders the cache
         # every step: stop capturing)
@@ -484,16 +489,25 @@ class DecodeGraphs:
             torch.cuda.current_stream(input_ids.device).wait_stream(self.stream)
             counters, sync_mode = cache.host_counters(), torch.cuda.get_sync_debug_mode()
             graph = torch.cuda.CUDAGraph()
+            # No garbage collection while capturing: destroying a CUDA graph then (one in another cache's garbage)
+            # invalidates the capture. Other threads' CUDA calls (event queries, pinned allocations) do not count
+            # against it ("thread_local", as torch.compile's own graphs). Measured in decode-generate-h200.md.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
                 # A layer that syncs with the host (data-dependent MoE routing) cannot be captured: raise before the
                 # sync reaches the capturing stream (which would invalidate it), so the capture ends cleanly.
                 torch.cuda.set_sync_debug_mode("error")
-                with torch.cuda.graph(graph, stream=self.stream), twins():
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"), twins():
                     static_logits = forward(ids, positions)
             except Exception as error:
-                self.failure = f"{type(error).__name__}: {error}"
+                self.failures.append(f"{type(error).__name__}: {error}")
+                if len(self.failures) >= CAPTURE_ATTEMPTS or "synchroniz" in str(error):
+                    self.failure = "; ".join(dict.fromkeys(self.failures))
                 return logits
             finally:
+                if collecting:
+                    gc.enable()
                 torch.cuda.set_sync_debug_mode(sync_mode)
                 cache.set_host_counters(counters)  # capture ran the Python but none of the kernels
         finally:

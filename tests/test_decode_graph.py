@@ -428,3 +428,37 @@ def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
     assert checks and torch.equal(out.sequences, synced)
     assert out.past_key_values.get_seq_length() == synced.shape[1] - 1  # every token but the last one fed
     assert out.past_key_values.layers[0].slack and not out.past_key_values.layers[0].record_past
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_a_failed_capture_is_retried_before_decoding_turns_eager():
+    """A capture that fails (here: an event queried while it runs, which invalidates it) runs its step eagerly and
+    is tried again at the next step; only CAPTURE_ATTEMPTS failures in a row turn the model's graph decoding off.
+    The tokens are those of eager decoding either way."""
+    decode_graph = published.load("decode_graph")
+    model = _model(torch.float32)
+    x, mask = _prompt(2, 19, pads=(0, 3))
+    eager, _ = _generate(model, False, x, mask, max_new_tokens=16)
+    failing = [1]  # captures left to spoil
+
+    def spoil(module, args):
+        if failing[0] and torch.cuda.is_current_stream_capturing():
+            failing[0] -= 1
+            event = torch.cuda.Event()
+            event.record()
+            event.query()  # (not allowed while capturing)
+
+    hook = model.model.layers[0].register_forward_pre_hook(spoil)
+    try:
+        graphed, cache = _generate(model, True, x, mask, max_new_tokens=16)
+        graphs = cache.decode_graphs
+        assert len(graphs.failures) == 1 and graphs.failure is None and graphs.replays >= 12, graphs.failures
+        assert getattr(model, "_graph_failure", None) is None and torch.equal(graphed.sequences, eager.sequences)
+        failing[0] = 100
+        graphed, cache = _generate(model, True, x, mask, max_new_tokens=16)
+        graphs = cache.decode_graphs
+        assert len(graphs.failures) == decode_graph.CAPTURE_ATTEMPTS and graphs.replays == 0
+        assert model._graph_failure == graphs.failure and torch.equal(graphed.sequences, eager.sequences)
+    finally:
+        hook.remove()
