@@ -98,25 +98,30 @@ def cca_attention_reference(
     pooling: str = "kv",
     scale: float | None = None,
     return_core: bool = False,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``; with
-    ``return_core`` also the pooled ``(K_core, V_core)`` of ``pool_core_tokens`` (what a KV cache keeps)."""
+    ``return_core`` also the pooled ``(K_core, V_core)`` of ``pool_core_tokens`` (what a KV cache keeps).
+    ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given; ``q`` may then
+    be None (``k``, pre-RoPE, is still what is pooled)."""
     check_args(group_size, local_window, pooling)
-    bsz, n_heads, seq_len, head_dim = q.shape
+    q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
+    k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
+    bsz, n_heads, seq_len, head_dim = q_rot.shape
     rep = n_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
 
-    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
     k_core, v_core = core
     if k_core.shape[1] != n_heads:  # pooling "kv": each core token serves its r query heads
         k_core, v_core = k_core.repeat_interleave(rep, 1), v_core.repeat_interleave(rep, 1)
     k_raw, v_raw = k_rot.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
 
-    pos = torch.arange(seq_len, device=q.device)
+    pos = torch.arange(seq_len, device=k.device)
     n_vis = visible_core_count(pos, group_size, local_window)  # (L,)
     raw_ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= n_vis[:, None] * group_size)
-    core_ok = torch.arange(k_core.shape[2], device=q.device)[None, :] < n_vis[:, None]
+    core_ok = torch.arange(k_core.shape[2], device=k.device)[None, :] < n_vis[:, None]
 
     qf = q_rot.float()
     scores = torch.cat(
@@ -127,5 +132,5 @@ def cca_attention_reference(
         dim=-1,
     )
     probs = scores.softmax(dim=-1)  # one softmax over core tokens ++ local keys
-    out = (probs @ torch.cat((v_core, v_raw), dim=2).float()).to(q.dtype)
+    out = (probs @ torch.cat((v_core, v_raw), dim=2).float()).to(q_rot.dtype)
     return (out, *core) if return_core else out

@@ -600,6 +600,8 @@ def cca_attention_triton(
     scale: float | None = None,
     return_core: bool = False,
     use_tma: bool | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
@@ -608,16 +610,20 @@ def cca_attention_triton(
     a contiguous last dim; even head_dim <= 256 (padded to a power of two inside the kernels).
     ``use_tma``: the forward fetches key/value tiles with TMA descriptors (``tma.py``; default: on a Hopper or newer
     GPU, head dims <= 128, aligned rows). Both ways give the same numbers.
+    ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
+    ``q`` may then be None (``k``, pre-RoPE, is still what is pooled).
     """
     check_args(group_size, local_window, pooling)
-    head_dim = q.shape[-1]
+    shape = (q if q_rot is None else q_rot).shape
+    head_dim = shape[-1]
     if head_dim % 2 or head_dim > 256:
         raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {head_dim}; "
                          "use attn_backend='reference' for this model")
-    if cos.shape[-2:] != (q.shape[2], head_dim) or (cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0])):
-        raise ValueError(f"cos/sin must be (L, d), (1, L, d) or (B, L, d) for q {tuple(q.shape)}, got {tuple(cos.shape)}")
+    if cos.shape[-2:] != (shape[2], head_dim) or (cos.dim() == 3 and cos.shape[0] not in (1, shape[0])):
+        raise ValueError(f"cos/sin must be (L, d), (1, L, d) or (B, L, d) for q {tuple(shape)}, got {tuple(cos.shape)}")
     scale = head_dim**-0.5 if scale is None else scale
-    q_rot, k_rot = _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
+    q_rot = _RopeFn.apply(q, cos, sin) if q_rot is None else q_rot
+    k_rot = _RopeFn.apply(k, cos, sin) if k_rot is None else k_rot
     out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale,
                                                 use_tma)
     return (out, k_core, v_core) if return_core else out

@@ -15,27 +15,30 @@ except ImportError:  # triton is optional: CPU-only installs use the reference
     cca_attention_triton = None
 
 
-def cca_attention(q, k, v, cos, sin, config, scale: float, return_core: bool = False):
+def cca_attention(q, k, v, cos, sin, config, scale: float, return_core: bool = False, q_rot=None, k_rot=None):
     """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend (``config`` carries
     ``group_size``, ``local_window``, ``pooling``, ``attn_backend``). With ``return_core``
-    also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention."""
-    use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and q.is_cuda)
-    if config.attn_backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention.
+    ``q_rot``/``k_rot``: q and k as the model's own RoPE rotated them (``q`` may then be None), used as given."""
+    use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and k.is_cuda)
+    if config.attn_backend == "triton" and not k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attn_backend='triton' needs a CUDA GPU (the model is on the CPU); "
                          "use attn_backend='auto' or 'reference' there")
     if use_triton and cca_attention_triton is None:
         if config.attn_backend == "triton":
             raise ImportError("attn_backend='triton' needs the `triton` package (pip install triton)")
         use_triton = False
-    if use_triton and q.shape[2] <= config.local_window:
+    if use_triton and k.shape[2] <= config.local_window:
         # No query is past the window: CCA is exactly causal attention (spec), and SDPA is faster.
-        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
+        k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
         out = full_causal_attention(q_rot, k_rot, v, None, scale)
         if not return_core:
             return out
         return out, *pool_core_tokens(q_rot, k_rot, k, v, cos, sin, config.group_size, config.pooling, scale)
     attend = cca_attention_triton if use_triton else cca_attention_reference
-    return attend(q, k, v, cos, sin, config.group_size, config.local_window, config.pooling, scale, return_core)
+    return attend(q, k, v, cos, sin, config.group_size, config.local_window, config.pooling, scale, return_core,
+                  q_rot=q_rot, k_rot=k_rot)
 
 
 def left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -305,18 +305,21 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         pass within the speculative slack (a crop of it is done in place)."""
         return (q.shape[2] == 1 or q.shape[2] <= self.slack) and self._on_kernels(q)
 
-    def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False):
+    def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False, prompt_rotated=None):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``; ``"eager"``:
         pre-RoPE there, rotated by the decode kernel as the family's eager RoPE rounds) against the cached state;
-        updates the state."""
-        n = q.shape[2]
+        updates the state. ``prompt_rotated``: for the first pass only, (q_rot, k_rot) as the model's RoPE gave them,
+        used as given (``q`` may then be None)."""
+        if prompt_rotated is not None and self.seen is not None:
+            raise ValueError("prompt_rotated is for the first pass of a layer (its prompt) only")
+        n = k.shape[2]
         mask = attention_mask[:, -n:] if attention_mask is not None and attention_mask.dim() == 2 else None
         one = n == 1
         token_steps = self.seen is not None and self._token_steps(q)
         if mask is not None and not token_steps:
             mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
-            return self._prefill(q, k, v, cos, sin, mask, scale)
+            return self._prefill(q, k, v, cos, sin, mask, scale, *(prompt_rotated or (None, None)))
         cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
         # what crop() needs to undo this pass, unless it can drop it in place (the slack): the state before it (a
         # one-token step writes in place: copies, only when transformers announced a crop; a longer pass replaces the
@@ -356,21 +359,22 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             z = self.core_k.new_zeros(self.core_k.shape[0], self.core_k.shape[1], pad, self.core_k.shape[3])
             self.core_k, self.core_v = torch.cat((self.core_k, z), 2), torch.cat((self.core_v, z), 2)
 
-    def _prefill(self, q, k, v, cos, sin, mask, scale):
+    def _prefill(self, q, k, v, cos, sin, mask, scale, q_rot=None, k_rot=None):
         cfg = self.config
-        bsz, _, seq_len, _ = q.shape
+        bsz, _, seq_len, _ = k.shape
         slack = SPECULATIVE_SLACK if self.record_past else 0
         window = cfg.local_window + cfg.group_size - 1 + slack
         cos, sin = cos.expand(bsz, -1, -1), sin.expand(bsz, -1, -1)
         n_pad = left_padding(mask)
         if n_pad is not None:  # real tokens first, as in the no-cache path
-            q, k, v = (shift_rows(x, n_pad, 2) for x in (q, k, v))
+            q, k, v, q_rot, k_rot = (None if x is None else shift_rows(x, n_pad, 2) for x in (q, k, v, q_rot, k_rot))
             cos, sin = (shift_rows(x, n_pad, 1) for x in (cos, sin))
-        out, self.core_k, self.core_v = cca_attention(q, k, v, cos, sin, cfg, scale, return_core=True)
+        out, self.core_k, self.core_v = cca_attention(q, k, v, cos, sin, cfg, scale, return_core=True, q_rot=q_rot,
+                                                      k_rot=k_rot)
         if n_pad is not None:
             out = shift_rows(out, seq_len - n_pad, 2)
 
-        seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=q.device)
+        seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=k.device)
         # crop() may drop up to ROLLBACK columns of this pass: keep the prompt's tail (real tokens first) that the
         # rings would then be rebuilt from
         start = max(0, (int(seen.min()) if mask is not None else seq_len) - window - ROLLBACK)  # one sync
@@ -579,12 +583,16 @@ class CCACache(Cache):
         super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
         self.config = config
 
-    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False):
+    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False, prompt_rotated=None):
         """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``; ``rotated``: post-RoPE, where
-        ``decodes_rotated``) for layer ``layer_idx``."""
+        ``decodes_rotated``; ``prompt_rotated``: see ``CCALayerCache.attend``) for layer ``layer_idx``."""
         if attention_mask is None and self.step_real is not None:  # a captured step reads its pad column on device
             attention_mask = self.step_real
-        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated)
+        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated, prompt_rotated)
+
+    def prompts(self, layer_idx) -> bool:
+        """Whether the next pass of layer ``layer_idx`` is its first (a prompt, not a chunk or step after one)."""
+        return self.layers[layer_idx].seen is None
 
     def decodes_rotated(self, layer_idx, q) -> bool:
         layer = self.layers[layer_idx]

@@ -141,22 +141,29 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling,
                                   rotated="eager" if unrotated else True)
         return out.transpose(1, 2), None
-    q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
-    if isinstance(cache, CCACache):
+    if isinstance(cache, CCACache) and not cache.prompts(module.layer_idx):  # a chunk after the prompt
+        q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
         out = cache.cca_attention(module.layer_idx, q, k, value, cos, sin, attention_mask, scaling)
+        return out.transpose(1, 2), None
+    # A whole sequence: the kernels attend with q and k as the family rotated them; only k is needed before RoPE (it
+    # is what is pooled). Un-rotating q too, to rotate it again, cost ~8% of a 128K prefill (decode-generate-h200.md).
+    k = unrope(module, key[:, :0], key, cos, sin)[1].to(value.dtype)  # (q: no heads, nothing computed)
+    if isinstance(cache, CCACache):
+        out = cache.cca_attention(module.layer_idx, None, k, value, cos, sin, attention_mask, scaling,
+                                  prompt_rotated=(query, key))
     else:
-        out = _no_cache_attention(q, k, value, cos, sin, attention_mask, settings, scaling)
+        out = _no_cache_attention(query, key, k, value, cos, sin, attention_mask, settings, scaling)
     return out.transpose(1, 2), None
 
 
-def _no_cache_attention(q, k, v, cos, sin, attention_mask, settings, scale):
+def _no_cache_attention(q_rot, k_rot, k, v, cos, sin, attention_mask, settings, scale):
     n_pad = left_padding(attention_mask)
     if n_pad is None:
-        return cca_attention(q, k, v, cos, sin, settings, scale)
-    bsz, q_len = q.shape[0], q.shape[2]
-    q, k, v = (shift_rows(x, n_pad, 2) for x in (q, k, v))
+        return cca_attention(None, k, v, cos, sin, settings, scale, q_rot=q_rot, k_rot=k_rot)
+    bsz, q_len = q_rot.shape[0], q_rot.shape[2]
+    q_rot, k_rot, k, v = (shift_rows(x, n_pad, 2) for x in (q_rot, k_rot, k, v))
     cos, sin = (shift_rows(x.expand(bsz, -1, -1), n_pad, 1) for x in (cos, sin))
-    return shift_rows(cca_attention(q, k, v, cos, sin, settings, scale), q_len - n_pad, 2)
+    return shift_rows(cca_attention(None, k, v, cos, sin, settings, scale, q_rot=q_rot, k_rot=k_rot), q_len - n_pad, 2)
 
 
 cca_attention_forward = dispatching("cca")

@@ -58,9 +58,18 @@ def run(fn, q, k, v, do, cos, sin, g, s, pooling, dtype):
     return [out.float(), *(x.float() for x in grads)]
 
 
-def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, use_tma=None, **kw):
+def _prerotated(fn):
+    """``fn`` called the way a model calls it: q and k rotated by the model's own RoPE (``q_rot``/``k_rot``), the
+    pre-RoPE k beside them (it is pooled), no pre-RoPE q."""
+    def call(q, k, v, cos, sin, *args):
+        return fn(None, k, v, cos, sin, *args, q_rot=ref.apply_rope(q, cos, sin), k_rot=ref.apply_rope(k, cos, sin))
+    return call
+
+
+def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, use_tma=None, prerotated=False, **kw):
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed, **kw)
     kernel = functools.partial(tri.cca_attention_triton, use_tma=use_tma)
+    kernel = _prerotated(kernel) if prerotated else kernel
     got = run(kernel, q, k, v, do, cos, sin, g, s, pooling, dtype)
     want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
     names = ("out", "dq", "dk", "dv")
@@ -181,6 +190,21 @@ def test_causal_when_window_covers_everything():
     torch.testing.assert_close(out, full, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("B,H,Hkv,L,d,g,s", [pytest.param(2, 4, 1, 23, 80, 4, 6, id="gqa4-hd80"),
+                                             pytest.param(1, 5, 1, 41, 64, 3, 7, id="gqa5"),
+                                             pytest.param(2, 7, 7, 30, 64, 5, 4, id="mha7-g-gt-s")])
+def test_prerotated_q_and_k_give_what_the_kernels_own_rope_gives(B, H, Hkv, L, d, g, s, pooling):
+    """Handed q_rot/k_rot (the model's rotation) instead of rotating q and k itself, each backend gives the same
+    output and, back through that rotation and the pooled pre-RoPE k, the same q/k/v gradients."""
+    q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L, per_seq_rope=True)
+    want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
+    for fn in (ref.cca_attention_reference, tri.cca_attention_triton):
+        got = run(_prerotated(fn), q, k, v, do, cos, sin, g, s, pooling, torch.float32)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"{fn.__name__} {n}: {m}")
+
+
 def test_no_grad_and_bad_args():
     q, k, v, _, cos, sin = make_inputs(1, 2, 1, 9, 64, seed=4)
     with torch.no_grad():
@@ -216,6 +240,14 @@ def test_gpu_lengths(dtype, L, H, Hkv, pooling):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_head_dims(dtype, d, pooling):
     check(2, 8, 2, 1000, d, 16, 100, pooling, dtype, seed=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pooling", POOLING)
+def test_gpu_prerotated_q_and_k(pooling):
+    """The model's call (q and k rotated by its own RoPE) at a long length in bf16, GQA 4, head dim 128."""
+    check(2, 8, 2, 4097, 128, 16, 100, pooling, torch.bfloat16, seed=9, prerotated=True)
 
 
 @pytest.mark.gpu
