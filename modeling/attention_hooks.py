@@ -1,9 +1,9 @@
 """What every attention method's shim (cca_hf.py, dca_hf.py) needs from transformers' stock attention modules.
 
 transformers passes an attention function q, k, v after RoPE and neither the layer's rotary tables nor its cache; a
-forward pre-hook keeps both on the module for the call. The registry holds one function per name while every exported repo ships
-its own copy of the shim (several may share a process), so the registered function runs the implementation the hook
-stored: the one of the copy that built the module.
+forward pre-hook keeps both on the module for the call. The registry holds one function per name while every
+exported repo ships its own copy of the shim (several may share a process), so the registered function runs the
+implementation the hook stored: the one of the copy that built the module.
 """
 
 import sys
