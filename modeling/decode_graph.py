@@ -61,8 +61,9 @@ _COMPILED = {}
 _UNROTATED = {}  # id(k) -> (q, k): one-token q/k a family handed over un-rotated (``_deferring``), strong references
 
 
-CAPTURE_ATTEMPTS = 3  # failed captures (at later steps) before the model decodes eagerly; a layer that syncs with
-# the host fails every time and stops them at once
+CAPTURE_ATTEMPTS = 3  # failed captures of one cache (each at a later step) before the model decodes eagerly
+HOST_SYNC = "synchronizing CUDA operation"  # torch's sync-debug error: a layer that syncs with the host (data-
+# dependent MoE routing) fails every capture, so it stops them at once
 
 DEFERRED_TOKENS = 32  # the most tokens per row whose RoPE a captured step leaves to the decode kernel (a
 # verification pass of speculative decoding: its tokens then round exactly as the one-token steps they stand for)
@@ -502,7 +503,7 @@ class DecodeGraphs:
                     static_logits = forward(ids, positions)
             except Exception as error:
                 self.failures.append(f"{type(error).__name__}: {error}")
-                if len(self.failures) >= CAPTURE_ATTEMPTS or "synchroniz" in str(error):
+                if len(self.failures) >= CAPTURE_ATTEMPTS or HOST_SYNC in str(error):
                     self.failure = "; ".join(dict.fromkeys(self.failures))
                 return logits
             finally:

@@ -434,8 +434,8 @@ def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
 @torch.no_grad()
 def test_gpu_a_failed_capture_is_retried_before_decoding_turns_eager():
     """A capture that fails (here: an event queried while it runs, which invalidates it) runs its step eagerly and
-    is tried again at the next step; only CAPTURE_ATTEMPTS failures in a row turn the model's graph decoding off.
-    The tokens are those of eager decoding either way."""
+    is tried again at the next step; only CAPTURE_ATTEMPTS failures with one cache turn the model's graph decoding
+    off, and a host sync (data-dependent routing) at once. The tokens are those of eager decoding every time."""
     decode_graph = published.load("decode_graph")
     model = _model(torch.float32)
     x, mask = _prompt(2, 19, pads=(0, 3))
@@ -459,6 +459,20 @@ def test_gpu_a_failed_capture_is_retried_before_decoding_turns_eager():
         graphed, cache = _generate(model, True, x, mask, max_new_tokens=16)
         graphs = cache.decode_graphs
         assert len(graphs.failures) == decode_graph.CAPTURE_ATTEMPTS and graphs.replays == 0
+        assert model._graph_failure == graphs.failure and torch.equal(graphed.sequences, eager.sequences)
+    finally:
+        hook.remove()
+
+    def host_sync(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            args[0].sum().item()  # (what data-dependent routing does)
+
+    model = _model(torch.float32)
+    hook = model.model.layers[0].register_forward_pre_hook(host_sync)
+    try:
+        graphed, cache = _generate(model, True, x, mask, max_new_tokens=16)
+        graphs = cache.decode_graphs
+        assert len(graphs.failures) == 1 and decode_graph.HOST_SYNC in graphs.failure and graphs.replays == 0
         assert model._graph_failure == graphs.failure and torch.equal(graphed.sequences, eager.sequences)
     finally:
         hook.remove()
