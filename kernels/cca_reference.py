@@ -134,3 +134,50 @@ def cca_attention_reference(
     probs = scores.softmax(dim=-1)  # one softmax over core tokens ++ local keys
     out = (probs @ torch.cat((v_core, v_raw), dim=2).float()).to(q_rot.dtype)
     return (out, *core) if return_core else out
+
+
+def cca_chunk_attention_reference(
+    q_rot: torch.Tensor,
+    k_raw: torch.Tensor,
+    v_raw: torch.Tensor,
+    core_k: torch.Tensor,
+    core_v: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_lead: int,
+    group_size: int,
+    local_window: int,
+    scale: float,
+    block: int = 2048,
+) -> torch.Tensor:
+    """CCA attention of a chunk of queries whose row ``b`` starts at position ``q_pos[b]`` (a chunk after a prefill,
+    from a KV cache's compressed state).
+
+    ``q_rot`` (B, H, n, d): query ``i`` at position ``t = q_pos[b] + i``. ``k_raw``/``v_raw`` (B, Hkv, key_lead + n,
+    d): rotated keys and values, column ``u`` at position ``q_pos[b] - key_lead + u`` (the ``key_lead >= s + g - 1``
+    positions before the chunk, then the chunk: every raw key a query of the chunk sees; columns of negative positions
+    are never read). ``core_k``/``core_v`` (B, C, P, d): core token ``p`` of group ``p``; query ``t`` sees ``p < n(t)``
+    (slots past the last complete group are never read). Same semantics as ``cca_attention_reference`` for those
+    queries. SDPA in ``q_rot.dtype`` over ``block`` queries at a time (bounds the visibility mask).
+    """
+    bsz, n_heads, n, head_dim = q_rot.shape
+    n_core_slots = core_k.shape[2]
+    if k_raw.shape[2] != key_lead + n:
+        raise ValueError(f"k_raw must hold the {key_lead} positions before the chunk and its {n} columns, "
+                         f"got {k_raw.shape[2]}")
+
+    def per_head(x):  # pooling "kv" (and the raw keys) share a KV head's keys among its r heads
+        return (x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], 1)).to(q_rot.dtype)
+
+    keys = torch.cat((per_head(core_k), per_head(k_raw)), 2)
+    vals = torch.cat((per_head(core_v), per_head(v_raw)), 2)
+    t = q_pos[:, None] + torch.arange(n, device=q_rot.device)  # (B, n)
+    n_vis = visible_core_count(t, group_size, local_window)
+    key_pos = (q_pos[:, None] - key_lead) + torch.arange(k_raw.shape[2], device=q_rot.device)  # (B, key_lead + n)
+    slots = torch.arange(n_core_slots, device=q_rot.device)
+    out = []
+    for i in range(0, n, block):
+        tb, nb = t[:, i : i + block, None], n_vis[:, i : i + block, None]
+        ok = torch.cat((slots[None, None] < nb, (key_pos[:, None] >= nb * group_size) & (key_pos[:, None] <= tb)), -1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q_rot[:, :, i : i + block], keys, vals, attn_mask=ok[:, None], scale=scale))
+    return torch.cat(out, 2)

@@ -130,16 +130,24 @@ def _dkdv_tile(dk, dv, k, v, LSE, DELTA, q_base, do_base, s_qh, s_ql, s_oh, s_ol
 # Forward and dq: one program = (core head, stacked query heads chunk, block of BMP positions)
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_kernel(Q, K, V, KC, VC, K_DESC, V_DESC, KC_DESC, VC_DESC, O, LSE,
+def _fwd_kernel(Q, K, V, KC, VC, K_DESC, V_DESC, KC_DESC, VC_DESC, O, LSE, QPOS,
                 s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 s_cb, s_ch, s_cl, s_wb, s_wh, s_wl, s_ob, s_oh, s_ol,
-                L, P, G, S, n_heads, n_core, n_stack, n_rep, n_chunks, qk_scale,
+                L, LK, R, P, G, S, n_heads, n_core, n_stack, n_rep, n_chunks, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    b64, c, j, t0, t1, hq, t, ok = _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M, HP, BMP)
+                HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, OFFSET: tl.constexpr):
+    b64, c, j, tq0, tq1, hq, tq, ok = _query_tile(L, n_core, n_stack, n_rep, n_chunks, BLOCK_M, HP, BMP)
     d = tl.arange(0, BLOCK_D)
     dmask = d[None, :] < HEAD_DIM
-    q = tl.load(Q + b64 * s_qb + hq[:, None] * s_qh + t[:, None] * s_ql + d[None, :], mask=ok[:, None] & dmask, other=0.0)
+    q = tl.load(Q + b64 * s_qb + hq[:, None] * s_qh + tq[:, None] * s_ql + d[None, :], mask=ok[:, None] & dmask,
+                other=0.0)
+    if OFFSET:  # a chunk after a prefill: query row i sits at position QPOS[b] + i, raw key column u at QPOS[b] - R + u
+        q_start = tl.load(QPOS + b64)
+        kb = q_start - R
+    else:  # whole sequences: rows and columns are positions
+        q_start = 0
+        kb = 0
+    t, t0, t1 = tq + q_start, tq0 + q_start, tq1 + q_start  # positions (the spec's t)
 
     n_t = _n_visible(t, G, S)
     n0 = _n_visible(t0, G, S)
@@ -171,23 +179,23 @@ def _fwd_kernel(Q, K, V, KC, VC, K_DESC, V_DESC, KC_DESC, VC_DESC, O, LSE,
     for k0 in range(n0 * G, a_end, BLOCK_N):
         cols = k0 + offs
         valid = (cols[None, :] >= lo_t[:, None]) & (cols[None, :] <= t[:, None]) & (cols[None, :] < a_end)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, L, valid, qk_scale,
-                                  K_DESC, V_DESC, b64, j, k0, True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols - kb, LK, valid, qk_scale,
+                                  K_DESC, V_DESC, b64, j, k0 - kb, True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
     b_end = a_end + (tl.maximum(t0 + 1 - a_end, 0) // BLOCK_N) * BLOCK_N
     for k0 in range(a_end, b_end, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, k0 + offs, L, 0, qk_scale,
-                                  K_DESC, V_DESC, b64, j, k0, False, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, k0 - kb + offs, LK, 0, qk_scale,
+                                  K_DESC, V_DESC, b64, j, k0 - kb, False, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
     for k0 in range(b_end, t1 + 1, BLOCK_N):
         cols = k0 + offs
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols, L,
-                                  cols[None, :] <= t[:, None], qk_scale, K_DESC, V_DESC, b64, j, k0,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, s_kl, s_vl, cols - kb, LK,
+                                  cols[None, :] <= t[:, None], qk_scale, K_DESC, V_DESC, b64, j, k0 - kb,
                                   True, HEAD_DIM, BLOCK_D, PREC, BLOCK_N, TMA)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees itself
     out = acc / l_i[:, None]
-    tl.store(O + b64 * s_ob + hq[:, None] * s_oh + t[:, None] * s_ol + d[None, :], out.to(O.dtype.element_ty),
+    tl.store(O + b64 * s_ob + hq[:, None] * s_oh + tq[:, None] * s_ol + d[None, :], out.to(O.dtype.element_ty),
              mask=ok[:, None] & dmask)
-    tl.store(LSE + (b64 * n_heads + hq) * L + t, m_i + tl.math.log2(l_i), mask=ok)  # base-2 logsumexp
+    tl.store(LSE + (b64 * n_heads + hq) * L + tq, m_i + tl.math.log2(l_i), mask=ok)  # base-2 logsumexp
 
 
 @triton.jit
@@ -497,7 +505,7 @@ class _Dims:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, kc, vc, dims, use_tma=None):
+def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)
@@ -505,12 +513,14 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None):
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
     tma = _use_tma(use_tma, "cca_attention_triton", dims.block_d, k, v, kc, vc)
     descs = descriptors(bn, dims.block_d, k, v, kc, vc) if tma else (None,) * 4
+    offset = q_pos is not None
     _fwd_kernel[grid](
-        q, k, v, kc, vc, *descs, o, lse,
+        q, k, v, kc, vc, *descs, o, lse, q_pos if offset else lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(kc), *_strides(vc), *_strides(o),
-        dims.L, dims.P, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale,
+        dims.L, k.shape[2], key_lead, dims.P, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks,
+        dims.qk_scale,
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, PREC=dims.prec, TMA=tma,
-        num_warps=warps, num_stages=stages,
+        OFFSET=offset, num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -627,3 +637,30 @@ def cca_attention_triton(
     out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale,
                                                 use_tma)
     return (out, k_core, v_core) if return_core else out
+
+
+def cca_chunk_attention_triton(
+    q_rot: torch.Tensor,
+    k_raw: torch.Tensor,
+    v_raw: torch.Tensor,
+    core_k: torch.Tensor,
+    core_v: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_lead: int,
+    group_size: int,
+    local_window: int,
+    scale: float,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """CCA attention of a chunk of queries that starts at a per-row position (a chunk after a prefill); same contract
+    as ``cca_chunk_attention_reference``. Forward only (inference); the forward kernel of whole sequences, with its
+    rows and raw key columns offset."""
+    check_args(group_size, local_window, "kv" if core_k.shape[1] == k_raw.shape[1] else "query")
+    q_rot, k_raw, v_raw, core_k, core_v = (_last_dim_contiguous(x) for x in (q_rot, k_raw, v_raw, core_k, core_v))
+    if q_rot.shape[-1] % 2 or q_rot.shape[-1] > 256:
+        raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {q_rot.shape[-1]}")
+    if k_raw.shape[2] != key_lead + q_rot.shape[2]:
+        raise ValueError(f"k_raw must hold the {key_lead} positions before the chunk and its {q_rot.shape[2]} columns, "
+                         f"got {k_raw.shape[2]}")
+    dims = _Dims(q_rot, k_raw, core_k, group_size, local_window, scale)
+    return _forward(q_rot, k_raw, v_raw, core_k, core_v, dims, use_tma, q_pos.to(torch.int32).contiguous(), key_lead)[0]

@@ -30,9 +30,9 @@ indexed by that sequence's own positions. Pad columns (``attention_mask == 0``) 
 never pooled and never keys. ``get_seq_length()`` counts columns, pads included, as ``generate()`` expects.
 
 The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
-the compressed state; later calls run the decode kernels (one token) or SDPA over
-``[core tokens ++ ring ++ new chunk]`` with a per-query visibility mask (chunked prefill), pooling groups as they
-complete.
+the compressed state; later calls run the decode kernels (one token), or pool the groups a chunk completes into the
+core tokens and attend over those and ``[ring ++ chunk]`` (chunked prefill: the prefill's forward kernel with its
+rows at the chunk's positions on the Triton path, ``cca_chunk_attention_reference`` otherwise).
 
 A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
 ``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``state_version``: assigning
@@ -42,21 +42,20 @@ one numbers it anew); the host-side counters (``cols``, ``max_seen``) are advanc
 import itertools
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .attention_cca import cca_attention, left_padding, shift_rows
 from .attention_hooks import BatchOpsMixin, crop_length
-from .cca_reference import apply_rope, pool_core_tokens
+from .cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_tokens
 
 try:
     from .cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
+    from .cca_triton import cca_chunk_attention_triton
 except ImportError:  # triton is optional
-    cca_decode_append_triton = cca_decode_attention_triton = None
+    cca_decode_append_triton = cca_decode_attention_triton = cca_chunk_attention_triton = None
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
-EXTEND_BLOCK = 2048  # queries per attention call of a chunked-prefill pass (bounds its visibility mask)
 ROLLBACK = 256  # columns of its last forward pass a cache can drop again (speculative / prompt-lookup decoding)
 SPECULATIVE_SLACK = 32  # extra ring positions while transformers records the past: columns crop() drops in place
 _VERSIONS = itertools.count(1)  # one number per state assignment, never reused: a state's version names it exactly
@@ -476,8 +475,6 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         cfg = self.config
         g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
         bsz, n_heads, q_len, head_dim = q.shape
-        n_kv = k.shape[1]
-        rep = n_heads // n_kv
         window = self.win_k.shape[2]
         dev = q.device
         if mask is not None:  # real tokens of the chunk first (left padding: they are its suffix)
@@ -501,58 +498,46 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
         v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
         k_x = torch.cat((_rows(self.grp_k, old % gw, 2), k), 2)
-        q_x = torch.cat((q_rot.new_zeros(bsz, n_heads, g - 1, head_dim), q_rot), 2)
         cur = (T // g) % n_mid  # the current group's middle tables
         cos_x = torch.cat((self.mid_cos[rows, cur][:, None].expand(-1, g - 1, -1), cos), 1)
         sin_x = torch.cat((self.mid_sin[rows, cur][:, None].expand(-1, g - 1, -1), sin), 1)
         ext = g - 1 + q_len
         r_old = T % g
         align = (torch.arange(ext, device=dev)[None] + (g - 1) - r_old[:, None]).clamp(max=ext - 1)
+        # pooling reads only each group's last query (always a chunk column): gather those rows, not the chunk's q
+        q_al = q_rot.new_zeros(bsz, n_heads, ext, head_dim)
+        q_al[:, :, g - 1 :: g] = _rows(q_rot, align[:, g - 1 :: g] - (g - 1), 2)
         new_ck, new_cv = pool_core_tokens(
-            _rows(q_x, align, 2), _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
+            q_al, _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
             _rows(cos_x, align, 1), _rows(sin_x, align, 1), g, pooling, scale,
         )  # (B, C, ext // g, d); row b's first (r_old + n_new) // g are real
         p_old = T // g
-        n_groups_new = (r_old + n_new) // g
 
-        # 2. Attention: one softmax over [old core ++ new core ++ ring ++ chunk] with per-query visibility.
-        n_vis = torch.div(pos + 1 - s, g, rounding_mode="floor").clamp_min(0)  # (B, q_len)
-        lo = n_vis * g
-        core_old_ok = torch.arange(self.core_k.shape[2], device=dev)[None, None] < torch.minimum(n_vis, p_old[:, None])[..., None]
-        k_new_idx = torch.arange(new_ck.shape[2], device=dev)
-        core_new_ok = ((p_old[:, None] + k_new_idx)[:, None, :] < n_vis[..., None]) & (k_new_idx[None, None] < n_groups_new[:, None, None])
-        # the ring's last s + g - 1 positions (all that the chunk may see raw) in position order: the same keys in
-        # the same order with the speculative slack as without, so that the chunk rounds alike
-        n_ring = min(window, s + g - 1)
-        slot_pos = T[:, None] - n_ring + torch.arange(n_ring, device=dev)  # (B, n_ring)
-        ring = torch.remainder(slot_pos, window)
-        ring_ok = (slot_pos[:, None, :] >= lo[..., None]) & (slot_pos[:, None, :] >= 0)
-        chunk_ok = (col[None, None, :] <= col[None, :, None]) & (pos[:, None, :] >= lo[..., None]) & real[:, None, :]
-        chunk_ok = chunk_ok | (~real[..., None] & (col[None, None, :] == col[None, :, None]))  # pad queries: one key
-        ok = torch.cat((core_old_ok, core_new_ok, ring_ok, chunk_ok), -1)[:, None]  # (B, 1, q, K)
+        # 2. Store them: the attention reads every core token a query sees from the cache (row b's new groups land
+        #    at its own slots; slots past its complete groups hold values no query reads, until overwritten).
+        self._grow_core(self.max_seen // g + new_ck.shape[2])
+        dest = p_old[:, None] + torch.arange(new_ck.shape[2], device=dev)
+        self.core_k.scatter_(2, dest[:, None, :, None].expand(-1, new_ck.shape[1], -1, head_dim), new_ck)
+        self.core_v.scatter_(2, dest[:, None, :, None].expand(-1, new_cv.shape[1], -1, head_dim), new_cv)
 
-        def per_head(x):  # (B, C, n, d) -> (B, H, n, d): pooling "kv" shares a KV head's keys among its r heads
-            return (x if x.shape[1] == n_heads else x.repeat_interleave(rep, 1)).to(q.dtype)
-
-        keys = torch.cat([per_head(x) for x in (self.core_k, new_ck, _rows(self.win_k, ring, 2), k_rot)], 2)
-        vals = torch.cat([per_head(x) for x in (self.core_v, new_cv, _rows(self.win_v, ring, 2), v)], 2)
-        q_rot = q_rot.to(q.dtype)
-        # SDPA with the visibility as a boolean mask (memory-efficient kernel on CUDA), in query blocks that bound
-        # the mask: no (queries x keys) fp32 score tensor (an 8K chunk at 128K would need ~19 GB of them)
-        out = torch.cat([
-            F.scaled_dot_product_attention(q_rot[:, :, i : i + EXTEND_BLOCK], keys, vals,
-                                           attn_mask=ok[:, :, i : i + EXTEND_BLOCK], scale=scale)
-            for i in range(0, q_len, EXTEND_BLOCK)], 2)
-        out = out.reshape(bsz, n_heads, q_len, head_dim).to(q.dtype)
+        # 3. Attention: one softmax over the core tokens and the raw keys [the ring's last s + g - 1 positions (all
+        #    that the chunk may see raw, in position order: the same keys with the speculative slack as without) ++
+        #    the chunk].
+        n_ring = s + g - 1
+        ring = torch.remainder(T[:, None] - n_ring + torch.arange(n_ring, device=dev), window)
+        k_raw = torch.cat((_rows(self.win_k, ring, 2).to(q.dtype), k_rot.to(q.dtype)), 2)
+        v_raw = torch.cat((_rows(self.win_v, ring, 2).to(q.dtype), v.to(q.dtype)), 2)
+        kernel = cca_chunk_attention_triton is not None and cfg.attn_backend in ("auto", "triton") and (
+            q.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))  # the kernel is forward-only
+        attend = cca_chunk_attention_triton if kernel else cca_chunk_attention_reference
+        out = attend(q_rot.to(q.dtype), k_raw, v_raw, self.core_k.to(q.dtype), self.core_v.to(q.dtype), T, n_ring, g,
+                     s, scale)
         if lead is not None:  # back to the caller's column order; pad columns give zeros
             out = torch.where(real[:, None, :, None], out, torch.zeros_like(out))
             out = _rows(out, (col[None] - lead[:, None]) % q_len, 2)
 
-        # 3. Update the state.
-        self._grow_core(self.max_seen // g + new_ck.shape[2])
-        dest = p_old[:, None] + k_new_idx  # row b's new groups land at its own core slots
-        self.core_k.scatter_(2, dest[:, None, :, None].expand(-1, new_ck.shape[1], -1, head_dim), new_ck)
-        self.core_v.scatter_(2, dest[:, None, :, None].expand(-1, new_cv.shape[1], -1, head_dim), new_cv)
+        # 4. Update the rings and middles.
         T_new = T + n_new
         for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", gw, k)):
             ring = getattr(self, name)

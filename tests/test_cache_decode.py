@@ -95,12 +95,25 @@ def test_decode_after_a_prompt_longer_than_the_kept_tail(kernels, record_past, m
     torch.testing.assert_close(logits[1:], real, atol=ATOL, rtol=0)
 
 
+def use_kernels(kernels, monkeypatch):
+    """``kernels``: the cache runs the Triton kernels (decode steps and chunks) on CPU tensors (TRITON_INTERPRET=1)."""
+    if kernels:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+        monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
+    return {"hidden": 64} if kernels else {}  # head dim 16: the decode kernels' smallest
+
+
+KERNELS = pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+
+
 @pytest.mark.parametrize("record_past", [False, True])
+@KERNELS
 @torch.no_grad()
-def test_chunks_after_a_prompt_longer_than_the_kept_tail(record_past):
-    """Chunked prefill (SDPA over core ++ rings ++ chunk) after a first chunk longer than the tail a prefill keeps:
-    the rings it reads are the positions they should hold."""
-    model = make_model("kv", 4, 6, 4, 2, layers=1)
+def test_chunks_after_a_prompt_longer_than_the_kept_tail(record_past, kernels, monkeypatch):
+    """Chunked prefill (attention over core tokens ++ ring ++ chunk) after a first chunk longer than the tail a
+    prefill keeps: the rings it reads are the positions they should hold."""
+    model = make_model("kv", 4, 6, 4, 2, layers=1, **use_kernels(kernels, monkeypatch))
     ids = torch.randint(3, VOCAB, (2, 330))
     kw = {"past_key_values": _recording(model)} if record_past else {}
     out = model(ids[:, :300], use_cache=True, **kw)
@@ -117,9 +130,10 @@ def _recording(model):
 
 
 @pytest.mark.parametrize("pooling,g,s,heads,kv_heads", CONFIGS[:4])
+@KERNELS
 @torch.no_grad()
-def test_chunked_prefill_matches_full_forward(pooling, g, s, heads, kv_heads):
-    model = make_model(pooling, g, s, heads, kv_heads)
+def test_chunked_prefill_matches_full_forward(pooling, g, s, heads, kv_heads, kernels, monkeypatch):
+    model = make_model(pooling, g, s, heads, kv_heads, **use_kernels(kernels, monkeypatch))
     ids = torch.randint(3, VOCAB, (2, 45))
     full = model(ids, use_cache=False).logits
     chunked, _ = cached_logits(model, ids, [5, 7, 3, 11, 1, 2, 9, 1, 6])
@@ -127,9 +141,10 @@ def test_chunked_prefill_matches_full_forward(pooling, g, s, heads, kv_heads):
 
 
 @pytest.mark.parametrize("pooling", ["kv", "query"])
+@KERNELS
 @torch.no_grad()
-def test_left_padded_batch_matches_single_sequences(pooling):
-    model = make_model(pooling, 4, 6, 4, 2)
+def test_left_padded_batch_matches_single_sequences(pooling, kernels, monkeypatch):
+    model = make_model(pooling, 4, 6, 4, 2, **use_kernels(kernels, monkeypatch))
     lengths, total = [30, 17, 9], 30
     ids = torch.randint(3, VOCAB, (3, total))
     mask = torch.zeros(3, total, dtype=torch.long)

@@ -219,3 +219,17 @@ def test_the_model_holds_no_cache_after_generate():
         assert all(getattr(m, "_method_ctx", None) is None for m in cca.modules())
     finally:
         gc.enable()
+
+
+@torch.no_grad()
+def test_the_inner_model_with_its_own_cache_gets_a_clear_error_and_with_ours_the_cached_answer():
+    """``model.model`` (transformers' base model) brings a DynamicCache, which hands the attention all past keys on the
+    second call: one clear error naming the fix. With an HFCCACache passed in, two calls give the one-call answer."""
+    _, cca = stock_and_cca("llama")
+    x = ids(bsz=2, length=30)
+    first = cca.model(x[:, :20], use_cache=True)
+    with pytest.raises(TypeError, match="HFCCACache"):
+        cca.model(x[:, 20:], past_key_values=first.past_key_values, use_cache=True)
+    cache = hf.HFCCACache(cca.config)
+    parts = [cca.model(x[:, a:b], past_key_values=cache, use_cache=True).last_hidden_state for a, b in ((0, 20), (20, 30))]
+    torch.testing.assert_close(torch.cat(parts, 1), cca.model(x, use_cache=False).last_hidden_state, atol=2e-4, rtol=0)

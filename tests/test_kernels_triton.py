@@ -218,6 +218,77 @@ def test_no_grad_and_bad_args():
         tri.cca_attention_triton(q, k, v, cos, sin, 0, 3)
 
 
+# ---------------------------------------------------------------- a chunk after a prefill (the cache's entry)
+JUNK = 100.0  # scale of the values in columns and core slots the chunk entry must not read: a read shows
+
+
+def chunk_case(starts, n, H, Hkv, d, g, s, pooling, seed, lead_extra=0, spare_slots=3):
+    """Row b's chunk of ``n`` queries at positions ``starts[b] ..``, cut from a whole random sequence: the chunk
+    entry's inputs (junk where a key column or core slot must not be read) and what the whole-sequence reference gives
+    for those queries (fp32, on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, L, lead = len(starts), max(starts) + n, s + g - 1 + lead_extra
+    q, k, v = (torch.randn(B, h, L, d, generator=gen) for h in (H, Hkv, Hkv))
+    cos, sin = rope_tables(L, d, device="cpu")
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    core_heads = H if pooling == "query" else Hkv
+    n_slots = L // g + spare_slots
+    core_k, core_v = (JUNK * torch.randn(B, core_heads, n_slots, d, generator=gen) for _ in range(2))
+    k_raw, v_raw = (JUNK * torch.randn(B, Hkv, lead + n, d, generator=gen) for _ in range(2))
+    q_chunk, want = torch.empty(B, H, n, d), torch.empty(B, H, n, d)
+    for b, t in enumerate(starts):
+        end = t + n
+        args = (k[b:b + 1, :, :end], v[b:b + 1, :, :end], cos[:end], sin[:end], g, s, pooling)
+        out, kc, vc = ref.cca_attention_reference(q[b:b + 1, :, :end], *args, return_core=True)
+        want[b], q_chunk[b] = out[0, :, t:], q_rot[b, :, t:end]
+        core_k[b, :, : kc.shape[2]], core_v[b, :, : vc.shape[2]] = kc[0], vc[0]
+        first = max(0, t - lead)  # columns of negative positions keep their junk
+        k_raw[b, :, first - (t - lead):], v_raw[b, :, first - (t - lead):] = k_rot[b, :, first:end], v[b, :, first:end]
+    inputs = [x.to(DEVICE) for x in (q_chunk, k_raw, v_raw, core_k, core_v)]
+    return inputs, torch.tensor(starts, device=DEVICE), lead, want.to(DEVICE)
+
+
+CHUNK_BACKENDS = [pytest.param(ref.cca_chunk_attention_reference, id="reference"),
+                  pytest.param(tri.cca_chunk_attention_triton, id="triton")]
+
+
+@pytest.mark.parametrize("fn", CHUNK_BACKENDS)
+@pytest.mark.parametrize(
+    "starts,n,H,Hkv,d,g,s,pooling,lead_extra",
+    [
+        pytest.param([0, 9, 30], 13, 4, 1, 64, 4, 6, "kv", 0, id="gqa4-from-0"),  # a row with no prompt (all pads)
+        pytest.param([41, 5], 23, 5, 1, 80, 3, 7, "query", 0, id="gqa5-hd80"),
+        pytest.param([17, 50], 11, 7, 7, 64, 5, 3, "kv", 2, id="mha7-g-gt-s-wider-lead"),
+        pytest.param([70, 66, 3], 9, 4, 1, 64, 2, 5, "kv", 0, id="many-core-tokens"),
+        pytest.param([64], 40, 8, 2, 64, 4, 37, "query", 0, id="long-window"),
+    ],
+)
+def test_chunk_after_a_prefill_is_the_whole_sequence_attention(fn, starts, n, H, Hkv, d, g, s, pooling, lead_extra):
+    """The cache's entry (queries starting at a per-row position, raw keys from the ring and the chunk, core tokens
+    from the cache) gives, for those queries, what the whole-sequence reference gives: both backends, rows starting at
+    different positions (0 included), GQA 1/4/5/7, g > s, core slots and key columns it must not read full of junk."""
+    (q, k_raw, v_raw, core_k, core_v), starts, lead, want = chunk_case(starts, n, H, Hkv, d, g, s, pooling, seed=n,
+                                                                        lead_extra=lead_extra)
+    got = fn(q, k_raw, v_raw, core_k, core_v, starts, lead, g, s, d**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("H,Hkv,d", [pytest.param(32, 8, 128, id="llama-gqa4"), pytest.param(14, 2, 80, id="r7-hd80")])
+def test_gpu_chunk_after_a_prefill(pooling, H, Hkv, d):
+    """bf16 at a few thousand positions, rows at different offsets, FlashAttention-style tolerance (both backends in
+    bf16 against the fp32 answer)."""
+    inputs, starts, lead, want = chunk_case([3001, 1500], 2049, H, Hkv, d, 16, 100, pooling, seed=d)
+    bf16 = [x.bfloat16() for x in inputs]
+    got = tri.cca_chunk_attention_triton(*bf16, starts, lead, 16, 100, d**-0.5).float()
+    low = ref.cca_chunk_attention_reference(*bf16, starts, lead, 16, 100, d**-0.5).float()
+    assert torch.isfinite(got).all()
+    err, ref_err = (got - want).abs().max().item(), (low - want).abs().max().item()
+    assert err <= 2 * ref_err + 2e-3, f"triton err {err:.3e} vs reference-in-bf16 err {ref_err:.3e}"
+
+
 # ---------------------------------------------------------------- GPU: long sequences, all head dims, bf16
 @pytest.mark.parametrize("pooling", POOLING)
 @pytest.mark.parametrize("H,Hkv", [pytest.param(8, 2, id="gqa4"), pytest.param(4, 4, id="mha")])
