@@ -281,10 +281,13 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             setattr(self, name, value)
         n = keep - undo["cols"]
         if n:
-            q, k, v, cos, sin, mask, scale = undo["inputs"]
+            q, k, v, cos, sin, mask, scale, given_rotated = undo["inputs"]
             mask = None if mask is None else mask[:, :n]
-            args = (q[:, :, :n], k[:, :, :n], v[:, :, :n], cos[:, :n], sin[:, :n], mask, scale)
-            (self._decode if n == 1 else self._extend)(*args)
+            q, k, v, cos, sin = (None if x is None else x[..., :n, :] for x in (q, k, v, cos, sin))
+            if n == 1 and q is not None:
+                self._decode(q, k, v, cos, sin, mask, scale)
+            else:  # (a pass whose q came rotated only: its first column as a chunk, the same state)
+                self._extend(q, k, v, cos, sin, mask, scale, *(x[..., :n, :] for x in given_rotated or (None, None)))
             self._undo = None
 
     def nbytes(self) -> int:
@@ -304,22 +307,22 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         pass within the speculative slack (a crop of it is done in place)."""
         return (q.shape[2] == 1 or q.shape[2] <= self.slack) and self._on_kernels(q)
 
-    def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False, prompt_rotated=None):
+    def attend(self, q, k, v, cos, sin, attention_mask, scale, rotated=False, given_rotated=None):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``; ``"eager"``:
         pre-RoPE there, rotated by the decode kernel as the family's eager RoPE rounds) against the cached state;
-        updates the state. ``prompt_rotated``: for the first pass only, (q_rot, k_rot) as the model's RoPE gave them,
-        used as given (``q`` may then be None)."""
-        if prompt_rotated is not None and self.seen is not None:
-            raise ValueError("prompt_rotated is for the first pass of a layer (its prompt) only")
+        updates the state. ``given_rotated``: for a prompt or a chunk of several tokens that is not a decode pass,
+        (q_rot, k_rot) as the model's RoPE gave them, used as given (``q`` may then be None)."""
         n = k.shape[2]
         mask = attention_mask[:, -n:] if attention_mask is not None and attention_mask.dim() == 2 else None
         one = n == 1
-        token_steps = self.seen is not None and self._token_steps(q)
+        token_steps = self.seen is not None and self._token_steps(k)
+        if given_rotated is not None and self.seen is not None and (one or token_steps or rotated):
+            raise ValueError("given_rotated is for a prompt or a chunk of several tokens, not a decode pass")
         if mask is not None and not token_steps:
             mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
-            return self._prefill(q, k, v, cos, sin, mask, scale, *(prompt_rotated or (None, None)))
-        cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # (B, q_len, d)
+            return self._prefill(q, k, v, cos, sin, mask, scale, *(given_rotated or (None, None)))
+        cos, sin = cos.expand(k.shape[0], -1, -1), sin.expand(k.shape[0], -1, -1)  # (B, q_len, d)
         # what crop() needs to undo this pass, unless it can drop it in place (the slack): the state before it (a
         # one-token step writes in place: copies, only when transformers announced a crop; a longer pass replaces the
         # rings: references) and its inputs
@@ -328,9 +331,9 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         if rotated or one or token_steps:
             out = self._decode(q, k, v, cos, sin, mask, scale, rotated=rotated)
         else:
-            out = self._extend(q, k, v, cos, sin, mask, scale)
+            out = self._extend(q, k, v, cos, sin, mask, scale, *(given_rotated or (None, None)))
         if undo is not None:  # (a one-token pass is never re-run: crop keeps none or all of it)
-            undo["inputs"] = (q, k, v, cos, sin, mask, scale)
+            undo["inputs"] = (q, k, v, cos, sin, mask, scale, given_rotated)
         self._undo = undo
         self._note(n, mask)
         return out
@@ -470,18 +473,19 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.max_seen += 1
         return out
 
-    def _extend(self, q, k, v, cos, sin, mask, scale):
-        """A chunk of several tokens after a prefill: exact, from the compressed state (no full-length state kept)."""
+    def _extend(self, q, k, v, cos, sin, mask, scale, q_rot=None, k_rot=None):
+        """A chunk of several tokens after a prefill: exact, from the compressed state (no full-length state kept).
+        ``q_rot``/``k_rot``: q and k as the model's RoPE rotated them, used as given (``q`` may then be None)."""
         cfg = self.config
         g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
-        bsz, n_heads, q_len, head_dim = q.shape
+        bsz, n_heads, q_len, head_dim = (q if q_rot is None else q_rot).shape
         window = self.win_k.shape[2]
-        dev = q.device
+        dev, dtype = k.device, v.dtype
         if mask is not None:  # real tokens of the chunk first (left padding: they are its suffix)
             lead = (~mask).long().cumprod(-1).sum(-1)
             n_new = mask.sum(-1)
             idx = (torch.arange(q_len, device=dev)[None] + lead[:, None]) % q_len
-            q, k, v = (_rows(x, idx, 2) for x in (q, k, v))
+            q, k, v, q_rot, k_rot = (None if x is None else _rows(x, idx, 2) for x in (q, k, v, q_rot, k_rot))
             cos, sin = _rows(cos, idx, 1), _rows(sin, idx, 1)
         else:
             lead, n_new = None, torch.full((bsz,), q_len, device=dev)
@@ -489,7 +493,8 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         col = torch.arange(q_len, device=dev)
         pos = T[:, None] + col  # (B, q_len) positions of the (aligned) chunk columns
         real = col[None] < n_new[:, None]
-        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
+        k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
 
         # 1. Pool the groups that complete inside the chunk. Build each row's sequence from the start of
         #    its current group: the g-1 positions before the chunk (from the rings) ++ the chunk.
@@ -525,14 +530,14 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         #    the chunk].
         n_ring = s + g - 1
         ring = torch.remainder(T[:, None] - n_ring + torch.arange(n_ring, device=dev), window)
-        k_raw = torch.cat((_rows(self.win_k, ring, 2).to(q.dtype), k_rot.to(q.dtype)), 2)
-        v_raw = torch.cat((_rows(self.win_v, ring, 2).to(q.dtype), v.to(q.dtype)), 2)
+        k_raw = torch.cat((_rows(self.win_k, ring, 2).to(dtype), k_rot.to(dtype)), 2)
+        v_raw = torch.cat((_rows(self.win_v, ring, 2).to(dtype), v), 2)
         kernel = cca_chunk_attention_triton is not None and cfg.attn_backend in ("auto", "triton") and (
-            q.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
-            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))  # the kernel is forward-only
-        attend = cca_chunk_attention_triton if kernel else cca_chunk_attention_reference
-        out = attend(q_rot.to(q.dtype), k_raw, v_raw, self.core_k.to(q.dtype), self.core_v.to(q.dtype), T, n_ring, g,
-                     s, scale)
+            k.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, q_rot, k_rot)))
+        attend = cca_chunk_attention_triton if kernel else cca_chunk_attention_reference  # (the kernel: forward only)
+        out = attend(q_rot.to(dtype), k_raw, v_raw, self.core_k.to(dtype), self.core_v.to(dtype), T, n_ring, g, s,
+                     scale)
         if lead is not None:  # back to the caller's column order; pad columns give zeros
             out = torch.where(real[:, None, :, None], out, torch.zeros_like(out))
             out = _rows(out, (col[None] - lead[:, None]) % q_len, 2)
@@ -568,12 +573,12 @@ class CCACache(Cache):
         super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
         self.config = config
 
-    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False, prompt_rotated=None):
+    def cca_attention(self, layer_idx, q, k, v, cos, sin, attention_mask, scale, rotated=False, given_rotated=None):
         """CCA attention of ``q`` (B, H, q_len, d) (pre-RoPE, like ``k``; ``rotated``: post-RoPE, where
-        ``decodes_rotated``; ``prompt_rotated``: see ``CCALayerCache.attend``) for layer ``layer_idx``."""
+        ``decodes_rotated``; ``given_rotated``: see ``CCALayerCache.attend``) for layer ``layer_idx``."""
         if attention_mask is None and self.step_real is not None:  # a captured step reads its pad column on device
             attention_mask = self.step_real
-        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated, prompt_rotated)
+        return self.layers[layer_idx].attend(q, k, v, cos, sin, attention_mask, scale, rotated, given_rotated)
 
     def prompts(self, layer_idx) -> bool:
         """Whether the next pass of layer ``layer_idx`` is its first (a prompt, not a chunk or step after one)."""

@@ -141,19 +141,20 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = cache.cca_attention(module.layer_idx, query, key, value, cos, sin, attention_mask, scaling,
                                   rotated="eager" if unrotated else True)
         return out.transpose(1, 2), None
-    if isinstance(cache, CCACache) and not cache.prompts(module.layer_idx):  # a chunk after the prompt
-        q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))
+    if isinstance(cache, CCACache) and not cache.prompts(module.layer_idx) and query.shape[2] == 1:
+        q, k = (x.to(value.dtype) for x in unrope(module, query, key, cos, sin))  # PyTorch's one-token step
         out = cache.cca_attention(module.layer_idx, q, k, value, cos, sin, attention_mask, scaling)
         return out.transpose(1, 2), None
     if key.shape[2] != query.shape[2]:  # another cache handed back its past keys (the inner model's own DynamicCache)
         raise TypeError(f"CCA attention keeps its past in an HFCCACache, got a {type(cache).__name__} with past keys: "
                         "call the CausalLM (it brings its cache), or pass past_key_values=HFCCACache(model.config)")
-    # A whole sequence: the kernels attend with q and k as the family rotated them; only k is needed before RoPE (it
-    # is what is pooled). Un-rotating q too, to rotate it again, cost ~8% of a 128K prefill (decode-generate-h200.md).
+    # A prompt or a chunk after it: the kernels attend with q and k as the family rotated them; only k is needed before
+    # RoPE (it is what is pooled). Un-rotating q too, to rotate it again, cost ~8% of a 128K prefill
+    # (decode-generate-h200.md).
     k = unrope(module, key[:, :0], key, cos, sin)[1].to(value.dtype)  # (q: no heads, nothing computed)
     if isinstance(cache, CCACache):
         out = cache.cca_attention(module.layer_idx, None, k, value, cos, sin, attention_mask, scaling,
-                                  prompt_rotated=(query, key))
+                                  given_rotated=(query, key))
     else:
         out = _no_cache_attention(query, key, k, value, cos, sin, attention_mask, settings, scaling)
     return out.transpose(1, 2), None

@@ -263,6 +263,12 @@ def test_crop_restores_the_exact_state():
     ref_cache = model(ids[:, :22], use_cache=True).past_key_values
     want = [model(ids[:, i:i + 1], past_key_values=ref_cache).logits for i in range(22, 30)]
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=1e-5)
+    # a crop that keeps one column of the pass: that column is re-run alone (its q came rotated only, as a chunk's)
+    cache1 = model(ids[:, :20], use_cache=True).past_key_values
+    model(ids[:, 20:27], past_key_values=cache1)
+    cache1.crop(-6)
+    torch.testing.assert_close(model(ids[:, 21:22], past_key_values=cache1).logits,
+                               model(ids[:, :22], use_cache=False).logits[:, -1:], atol=1e-5, rtol=1e-5)
     cache2 = model(ids[:, :20], use_cache=True).past_key_values
     cache2.crop(17)  # after a prefill: its tail is kept, so it can be dropped too (positive = length to keep)
     torch.testing.assert_close(model(ids[:, 17:18], past_key_values=cache2).logits,
