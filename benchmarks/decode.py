@@ -114,14 +114,15 @@ def prefill_chunk(args, batch: int) -> int:
 
 
 def warm_up(model, backend, args):
-    """One short generate() whose prompt takes CCA's prefill and chunk kernels (two chunks longer than the window where
-    the contexts allow), so that no cell's prefill time counts their one-time Triton compilation."""
-    length = min(2 * (args.local_window + args.group_size), min(args.contexts))
-    ids = torch.randint(3, model.config.vocab_size, (1, length), device=args.device)
+    """One generate() whose prompt is two of batch 1's chunks (where the contexts reach that far), so that the cells'
+    prefill times do not count the one-time Triton compilation of CCA's prefill and chunk kernels. (Triton compiles a
+    kernel again for integer arguments of another divisibility by 16, e.g. a core capacity: a cell may still pay one.)"""
+    chunk = prefill_chunk(args, 1)
+    ids = torch.randint(3, model.config.vocab_size, (1, min(2 * chunk, max(args.contexts))), device=args.device)
     model.config.cca_cuda_graphs = backend == "cca"
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
-                       prefill_chunk_size=max(1, length // 2))
+                       prefill_chunk_size=chunk)
 
 
 def run_cell(model, backend, context, batch, args) -> dict:
