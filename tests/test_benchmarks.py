@@ -95,3 +95,19 @@ def test_speculative_benchmark_on_an_export_and_a_text(tmp_path):
         proc = subprocess.run(cmd[:2] + ["--device", "cpu", "--contexts", "60", *bad], capture_output=True, text=True,
                               cwd=REPO, timeout=600)
         assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
+
+
+def test_prefill_benchmark_times_one_pass_and_chunks_for_both_backends(tmp_path):
+    cmd = [sys.executable, str(REPO / "benchmarks" / "prefill.py"), "--smoke", "--device", "cpu", "--contexts", "40,53",
+           "--chunk", "16", "--group-size", "4", "--local-window", "8", "--repeats", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
+    assert [r["context"] for r in rows] == [40, 53]
+    for row in rows:
+        assert set(row["cells"]) == {"cca one pass", "cca chunks", "full one pass", "full chunks"}
+        assert all(c["ms"] > 0 and len(c["times_ms"]) == 2 for c in row["cells"].values())
+        assert row["cca_dh"] < 1e-4  # fp32: chunks through the cache give one pass's hidden states
+    assert "| 53 | chunks |" in (tmp_path / "prefill.md").read_text()
+    bad = subprocess.run(cmd[:2] + ["--backends", "cca,flash"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert bad.returncode == 2 and "--backends takes cca and/or full" in bad.stderr
