@@ -7,8 +7,8 @@ what a prefill needs), with a cache: in one pass, and in chunks of ``--chunk`` t
 compressed state). Models as in ``decode.py`` (Llama-3.1-8B shape, random bf16 weights shared by both): ``cca`` is the
 exported class with its ``HFCCACache``, ``full`` is stock ``LlamaForCausalLM`` (SDPA) with its ``DynamicCache``.
 Wall time of the whole pass (device synced), median of ``--repeats`` after one warm-up at every shape; peak memory
-above the weights. ``|dh|``: mean absolute difference of the CCA model's last hidden states, chunks against one pass
-(bf16 rounding only: both are exact CCA).
+above the weights. ``|dh|``: mean absolute difference of each model's last hidden states, chunks against one pass
+(both exact: the difference is rounding; full attention's is the yardstick for bf16's).
 
     python benchmarks/prefill.py --out benchmarks/results                # 32K and 128K, 32 layers
     python benchmarks/prefill.py --layers 4 --contexts 131072            # quicker, a few layers
@@ -116,8 +116,9 @@ def main() -> int:
                 except torch.OutOfMemoryError:
                     row["cells"][f"{backend} {mode}"] = "OOM"
                     torch.cuda.empty_cache()
-            if backend == "cca" and len(hidden) == 2:
-                row["cca_dh"] = (hidden["one pass"].float() - hidden["chunks"].float()).abs().mean().item()
+            if len(hidden) == 2:
+                row[f"{backend}_dh"] = (hidden["one pass"].float() - hidden["chunks"].float()).abs().mean().item()
+                row[f"{backend}_h"] = hidden["one pass"].float().abs().mean().item()
             del hidden
         rows.append(row)
     text = head + "\n\n" + table(rows)
@@ -145,9 +146,12 @@ def table(rows) -> str:
 
             ratio = f"{full['ms'] / cca['ms']:.2f}x" if isinstance(cca, dict) and isinstance(full, dict) else "-"
             lines.append(f"| {r['context']} | {mode} | {ms(cca)} | {ms(full)} | {ratio} | {gib(cca)} | {gib(full)} |")
-    dh = [f"{r['context']}: {r['cca_dh']:.2e}" for r in rows if "cca_dh" in r]
-    if dh:
-        lines.append(f"\ncca, chunks against one pass, mean |dh| of the last hidden states: {', '.join(dh)}")
+    for backend in ("cca", "full"):
+        dh = [f"{r['context']}: {r[backend + '_dh']:.2e} (mean |h| {r[backend + '_h']:.2e})" for r in rows
+              if backend + "_dh" in r]
+        if dh:
+            lines.append(f"{'' if backend == 'full' else chr(10)}{backend}, chunks against one pass, mean |dh| of the "
+                         f"last hidden states: {', '.join(dh)}")
     return "\n".join(lines)
 
 

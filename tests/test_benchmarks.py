@@ -107,7 +107,7 @@ def test_prefill_benchmark_times_one_pass_and_chunks_for_both_backends(tmp_path)
     for row in rows:
         assert set(row["cells"]) == {"cca one pass", "cca chunks", "full one pass", "full chunks"}
         assert all(c["ms"] > 0 and len(c["times_ms"]) == 2 for c in row["cells"].values())
-        assert row["cca_dh"] < 1e-4  # fp32: chunks through the cache give one pass's hidden states
+        assert row["cca_dh"] < 1e-4 and row["full_dh"] < 1e-4  # fp32: chunks give one pass's hidden states
     assert "| 53 | chunks |" in (tmp_path / "prefill.md").read_text()
     bad = subprocess.run(cmd[:2] + ["--backends", "cca,flash"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert bad.returncode == 2 and "--backends takes cca and/or full" in bad.stderr
