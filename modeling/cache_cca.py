@@ -286,7 +286,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             q, k, v, cos, sin = (None if x is None else x[..., :n, :] for x in (q, k, v, cos, sin))
             if n == 1 and q is not None:
                 self._decode(q, k, v, cos, sin, mask, scale)
-            else:  # (a pass whose q came rotated only: its first column as a chunk, the same state)
+            else:  # several columns, or one of a pass whose q came rotated only: as a chunk (the same state)
                 self._extend(q, k, v, cos, sin, mask, scale, *(x[..., :n, :] for x in given_rotated or (None, None)))
             self._undo = None
 
