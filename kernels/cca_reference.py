@@ -34,6 +34,19 @@ def check_args(group_size: int, local_window: int, pooling: str) -> None:
         raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
 
 
+def check_chunk_args(q_rot: torch.Tensor, k_raw: torch.Tensor, key_lead: int, group_size: int,
+                     local_window: int) -> None:
+    """The chunk entries' shared contract: raw keys are the ``key_lead >= s + g - 1`` positions before the chunk
+    (every one a query of it may see raw), then the chunk's own columns."""
+    check_args(group_size, local_window, "kv")
+    if key_lead < local_window + group_size - 1:
+        raise ValueError(f"key_lead must cover the s + g - 1 = {local_window + group_size - 1} positions before the "
+                         f"chunk that its queries may see raw, got {key_lead}")
+    if k_raw.shape[2] != key_lead + q_rot.shape[2]:
+        raise ValueError(f"k_raw must hold the {key_lead} positions before the chunk and its {q_rot.shape[2]} columns, "
+                         f"got {k_raw.shape[2]}")
+
+
 def visible_core_count(t: torch.Tensor, group_size: int, local_window: int) -> torch.Tensor:
     """n(t): how many core tokens (oldest groups) the query at position t sees."""
     return torch.div(t + 1 - local_window, group_size, rounding_mode="floor").clamp_min(0)
@@ -159,11 +172,9 @@ def cca_chunk_attention_reference(
     (slots past the last complete group are never read). Same semantics as ``cca_attention_reference`` for those
     queries. SDPA in ``q_rot.dtype`` over ``block`` queries at a time (bounds the visibility mask).
     """
-    bsz, n_heads, n, head_dim = q_rot.shape
+    check_chunk_args(q_rot, k_raw, key_lead, group_size, local_window)
+    n_heads, n = q_rot.shape[1:3]
     n_core_slots = core_k.shape[2]
-    if k_raw.shape[2] != key_lead + n:
-        raise ValueError(f"k_raw must hold the {key_lead} positions before the chunk and its {n} columns, "
-                         f"got {k_raw.shape[2]}")
 
     def per_head(x):  # pooling "kv" (and the raw keys) share a KV head's keys among its r heads
         return (x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], 1)).to(q_rot.dtype)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .cca_pool_triton import pool_backward, pool_forward, table_strides
-from .cca_reference import check_args
+from .cca_reference import check_args, check_chunk_args
 from .tma import descriptors, use_tma as _use_tma
 
 _LOG2E = 1.4426950408889634
@@ -655,12 +655,9 @@ def cca_chunk_attention_triton(
     """CCA attention of a chunk of queries that starts at a per-row position (a chunk after a prefill); same contract
     as ``cca_chunk_attention_reference``. Forward only (inference); the forward kernel of whole sequences, with its
     rows and raw key columns offset."""
-    check_args(group_size, local_window, "kv" if core_k.shape[1] == k_raw.shape[1] else "query")
-    q_rot, k_raw, v_raw, core_k, core_v = (_last_dim_contiguous(x) for x in (q_rot, k_raw, v_raw, core_k, core_v))
+    check_chunk_args(q_rot, k_raw, key_lead, group_size, local_window)
     if q_rot.shape[-1] % 2 or q_rot.shape[-1] > 256:
         raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {q_rot.shape[-1]}")
-    if k_raw.shape[2] != key_lead + q_rot.shape[2]:
-        raise ValueError(f"k_raw must hold the {key_lead} positions before the chunk and its {q_rot.shape[2]} columns, "
-                         f"got {k_raw.shape[2]}")
+    q_rot, k_raw, v_raw, core_k, core_v = (_last_dim_contiguous(x) for x in (q_rot, k_raw, v_raw, core_k, core_v))
     dims = _Dims(q_rot, k_raw, core_k, group_size, local_window, scale)
     return _forward(q_rot, k_raw, v_raw, core_k, core_v, dims, use_tma, q_pos.to(torch.int32).contiguous(), key_lead)[0]

@@ -273,6 +273,19 @@ def test_chunk_after_a_prefill_is_the_whole_sequence_attention(fn, starts, n, H,
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("fn", CHUNK_BACKENDS)
+def test_chunk_entry_refuses_keys_that_do_not_cover_the_window(fn):
+    """Raw keys that start fewer than s + g - 1 positions before the chunk would silently miss keys its first queries
+    see; raw keys of another length than lead + chunk are misread. Both: one clear error."""
+    (q, k_raw, v_raw, core_k, core_v), starts, lead, _ = chunk_case([9, 30], 5, 4, 1, 64, 4, 6, "kv", seed=1)
+    with pytest.raises(ValueError, match="key_lead must cover"):
+        fn(q, k_raw[:, :, 1:], v_raw[:, :, 1:], core_k, core_v, starts, lead - 1, 4, 6, 0.125)
+    with pytest.raises(ValueError, match="k_raw must hold"):
+        fn(q, k_raw[:, :, :-1], v_raw[:, :, :-1], core_k, core_v, starts, lead, 4, 6, 0.125)
+    with pytest.raises(ValueError, match="group_size"):
+        fn(q, k_raw, v_raw, core_k, core_v, starts, lead, 0, 6, 0.125)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pooling", POOLING)
