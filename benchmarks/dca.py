@@ -25,7 +25,6 @@ Conventions
 
 import argparse
 import functools
-import json
 import math
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import published  # noqa: E402
 
@@ -292,10 +292,8 @@ def main():
         prefill, decode, model, agreement)
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "dca.md").write_text("$ python benchmarks/dca.py " + " ".join(sys.argv[1:]) + "\n\n" + text + "\n")
-        (args.out / "dca.json").write_text(json.dumps({"device": dev, "prefill": prefill, "decode": decode,
-                                                       "model": model, "agreement": agreement}, indent=2))
+        save_results(args.out, "dca", text, {"device": dev, "prefill": prefill, "decode": decode, "model": model,
+                                             "agreement": agreement})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ step) is ``benchmarks/decode_synthetic.py``: a secondary table that isolates the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
@@ -267,10 +267,7 @@ def main() -> int:
     text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s")
     print("\n" + text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode.md").write_text("$ python benchmarks/decode.py " + " ".join(sys.argv[1:]) + "\n\n" + text
-                                            + "\n")
-        (args.out / "decode.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        save_results(args.out, "decode", text, {"device": name, "rows": rows})
     return 0
 
 

@@ -18,7 +18,6 @@ above the weights. ``|dh|``: mean absolute difference of each model's last hidde
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
+from benchmarks.results_out import save_results  # noqa: E402
 from cca_convert import published  # noqa: E402
 
 
@@ -124,10 +124,7 @@ def main() -> int:
     text = head + "\n\n" + table(rows)
     print("\n" + text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill.md").write_text("$ python benchmarks/prefill.py " + " ".join(sys.argv[1:]) + "\n\n" + text
-                                             + "\n")
-        (args.out / "prefill.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        save_results(args.out, "prefill", text, {"device": name, "rows": rows})
     return 0
 
 

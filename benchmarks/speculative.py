@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
+from benchmarks.results_out import save_results  # noqa: E402
 
 
 class PassClock(BaseStreamer):
@@ -242,10 +242,7 @@ def main() -> int:
     text = head + "\n\n" + "\n".join(lines)
     print("\n" + text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "speculative.md").write_text("$ python benchmarks/speculative.py " + " ".join(sys.argv[1:])
-                                                 + "\n\n" + text + "\n")
-        (args.out / "speculative.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        save_results(args.out, "speculative", text, {"device": name, "rows": rows})
     if not all(r["equal"] for r in rows):
         print("speculative decoding did not give the greedy tokens", file=sys.stderr)
         return 1
