@@ -36,11 +36,25 @@ def _group_index(P, G, n_kv, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, HALF:
 
 
 @triton.jit
-def _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                 HALF: tl.constexpr):
-    """The group's rotated keys, pre-RoPE keys and values, each as two (rows, half) fp32 tiles."""
+def _row_rotations(COS, SIN, b, rows, i, m2, s_cb, s_cl, HALF: tl.constexpr):
+    """The rows' RoPE tables as halves, and each pair's determinant (for the exact inverse; 1 unless scaled)."""
+    at = b * s_cb + rows[:, None] * s_cl + i[None, :]
+    c1, c2 = _load_halves(COS + at, m2, HALF)
+    s1, s2 = _load_halves(SIN + at, m2, HALF)
+    return c1, c2, s1, s2, tl.where(m2, c1 * c2 + s1 * s2, 1.0)
+
+
+@triton.jit
+def _group_tiles(KR, K, V, COS, SIN, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                 s_cb, s_cl, HALF: tl.constexpr, FROM_ROT: tl.constexpr):
+    """The group's rotated keys, pre-RoPE keys and values, each as two (rows, half) fp32 tiles. ``FROM_ROT``: no
+    pre-RoPE keys are given; they are the rotated ones un-rotated (``cca_reference.unapply_rope``), in registers."""
     kr1, kr2 = _load_halves(KR + b * s_rb + j * s_rh + rows[:, None] * s_rl + i[None, :], m2, HALF)
-    k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
+    if FROM_ROT:
+        c1, c2, s1, s2, det = _row_rotations(COS, SIN, b, rows, i, m2, s_cb, s_cl, HALF)
+        k1, k2 = (kr1 * c2 + kr2 * s1) / det, (kr2 * c1 - kr1 * s2) / det
+    else:
+        k1, k2 = _load_halves(K + b * s_kb + j * s_kh + rows[:, None] * s_kl + i[None, :], m2, HALF)
     v1, v2 = _load_halves(V + b * s_vb + j * s_vh + rows[:, None] * s_vl + i[None, :], m2, HALF)
     return kr1, kr2, k1, k2, v1, v2
 
@@ -77,10 +91,11 @@ def _group_weights(q1, q2, kr1, kr2, row_ok, scale):
 def _pool_fwd_kernel(QR, KR, K, V, COS, SIN, KC, VC,
                      s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_cb, s_cl,
                      P, G, n_kv, n_core, scale,
-                     N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
+                     N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_H: tl.constexpr, FROM_ROT: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
-    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
-                                            s_vb, s_vh, s_vl, HALF)
+    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, COS, SIN, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
+                                            s_vb, s_vh, s_vl, s_cb, s_cl, HALF, FROM_ROT)
     mid = (p * G + G // 2) * s_cl + b * s_cb  # the core token's RoPE position
     c1, c2 = _load_halves(COS + mid + i, hm, HALF)
     s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
@@ -104,10 +119,11 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
                      s_gb, s_gh, s_gl,  # dq
                      s_db, s_dh, s_dl,  # dk_rot, dk and dv (same shape, contiguous)
                      P, G, n_kv, n_core, scale,
-                     N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr):
+                     N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_H: tl.constexpr, FROM_ROT: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
-    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
-                                            s_vb, s_vh, s_vl, HALF)
+    kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, COS, SIN, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
+                                            s_vb, s_vh, s_vl, s_cb, s_cl, HALF, FROM_ROT)
     mid = (p * G + G // 2) * s_cl + b * s_cb  # the core token's RoPE position
     c1, c2 = _load_halves(COS + mid + i, hm, HALF)
     s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
@@ -146,6 +162,10 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
             tl.store(ptr, (a1 + dq1).to(DQ.dtype.element_ty), mask=hm)
             tl.store(ptr + HALF, (a2 + dq2).to(DQ.dtype.element_ty), mask=hm)
 
+    if FROM_ROT:  # the pre-RoPE keys were un-rotated from k_rot: their gradient goes back through that map
+        rc1, rc2, rs1, rs2, det = _row_rotations(COS, SIN, b, rows, i, m2, s_cb, s_cl, HALF)
+        dr1 += (dk1 * rc2 - dk2 * rs2) / det
+        dr2 += (dk1 * rs1 + dk2 * rc1) / det
     grp = b * s_db + j * s_dh + rows[:, None] * s_dl + i[None, :]
     a1, a2 = _load_halves(DKR + grp, m2, HALF)
     tl.store(DKR + grp, (a1 + dr1).to(DKR.dtype.element_ty), mask=m2)
@@ -153,20 +173,22 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
     a1, a2 = _load_halves(DV + grp, m2, HALF)
     tl.store(DV + grp, (a1 + dv1).to(DV.dtype.element_ty), mask=m2)
     tl.store(DV + grp + HALF, (a2 + dv2).to(DV.dtype.element_ty), mask=m2)
-    tl.store(DK + grp, dk1.to(DK.dtype.element_ty), mask=m2)
-    tl.store(DK + grp + HALF, dk2.to(DK.dtype.element_ty), mask=m2)
+    if not FROM_ROT:
+        tl.store(DK + grp, dk1.to(DK.dtype.element_ty), mask=m2)
+        tl.store(DK + grp + HALF, dk2.to(DK.dtype.element_ty), mask=m2)
 
 
-def _meta(q_rot, k, group_size, pooling, backward=False):
+def _meta(q_rot, v, group_size, pooling, from_rot, backward=False):
     B, H, L, D = q_rot.shape
-    n_kv = k.shape[1]
+    n_kv = v.shape[1]
     block_g, block_h = triton.next_power_of_2(group_size), triton.next_power_of_2(D // 2)
     # Tiny programs are latency-bound: on an H200 (g=16, d=128, 128K) one warp per group beat 2, 4 and 8
     # (fwd 0.23 vs 0.30/0.81/1.39 ms), except the query-pooling backward, which holds r heads' partial
     # sums and liked two (2.1 vs 2.5 ms). Bigger groups get proportionally more warps.
     warps = max(1, min(8, block_g * block_h // 1024)) * (2 if backward and pooling == "query" else 1)
     return dict(P=L // group_size, G=group_size, n_kv=n_kv, N_REP=H // n_kv, n_core=H if pooling == "query" else n_kv,
-                KV_POOL=pooling == "kv", HALF=D // 2, BLOCK_G=block_g, BLOCK_H=block_h, num_warps=warps)
+                KV_POOL=pooling == "kv", HALF=D // 2, BLOCK_G=block_g, BLOCK_H=block_h, FROM_ROT=from_rot,
+                num_warps=warps)
 
 
 def _strides(x):
@@ -183,29 +205,32 @@ def table_strides(cos):
 
 def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale):
     """``(K_core, V_core)`` shaped (B, C, L // g, d), as ``pool_core_tokens``. Inputs: last dim contiguous,
-    cos/sin contiguous. Head dim must be even (RoPE)."""
-    meta = _meta(q_rot, k, group_size, pooling)
+    cos/sin contiguous. Head dim must be even (RoPE). ``k`` None: the pre-RoPE keys are ``unapply_rope(k_rot)``,
+    computed in registers (never stored)."""
+    meta = _meta(q_rot, v, group_size, pooling, k is None)
     B, D = q_rot.shape[0], q_rot.shape[-1]
-    kc = torch.empty((B, meta["n_core"], meta["P"], D), dtype=k.dtype, device=k.device)
+    kc = torch.empty((B, meta["n_core"], meta["P"], D), dtype=k_rot.dtype, device=v.device)
     vc = torch.empty(kc.shape, dtype=v.dtype, device=v.device)
     if meta["P"]:
         _pool_fwd_kernel[(B * meta["n_kv"] * meta["P"],)](
-            q_rot, k_rot, k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v),
-            *table_strides(cos), scale=scale, **meta,
+            q_rot, k_rot, k_rot if k is None else k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot),
+            *_strides(k_rot if k is None else k), *_strides(v), *table_strides(cos), scale=scale, **meta,
         )
     return kc, vc
 
 
 def pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, group_size, pooling, scale):
     """Adds the pooling's gradients into ``dq``/``dk_rot``/``dv`` (in place, contiguous) and returns the
-    gradient w.r.t. the pre-RoPE ``k`` through the pooled keys. ``dkc``/``dvc``: any float dtype."""
-    meta = _meta(q_rot, k, group_size, pooling, backward=True)
+    gradient w.r.t. the pre-RoPE ``k`` through the pooled keys; ``k`` None (pooled from ``unapply_rope(k_rot)``):
+    that gradient goes into ``dk_rot`` too, and None is returned. ``dkc``/``dvc``: any float dtype."""
+    meta = _meta(q_rot, v, group_size, pooling, k is None, backward=True)
     dkc, dvc = dkc.contiguous(), dvc.contiguous()
-    dk = torch.zeros(dk_rot.shape, dtype=dk_rot.dtype, device=dk_rot.device)  # rows past the last group stay 0
+    # rows past the last group get no gradient from the pooling
+    dk = None if k is None else torch.zeros(dk_rot.shape, dtype=dk_rot.dtype, device=dk_rot.device)
     if meta["P"]:
         _pool_bwd_kernel[(q_rot.shape[0] * meta["n_kv"] * meta["P"],)](
-            q_rot, k_rot, k, v, cos, sin, dkc, dvc, dq, dk_rot, dk, dv,
-            *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v), *table_strides(cos),
-            *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
+            q_rot, k_rot, k_rot if k is None else k, v, cos, sin, dkc, dvc, dq, dk_rot, dk_rot if k is None else dk,
+            dv, *_strides(q_rot), *_strides(k_rot), *_strides(k_rot if k is None else k), *_strides(v),
+            *table_strides(cos), *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
         )
     return dk

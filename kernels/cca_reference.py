@@ -27,11 +27,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def unapply_rope(x_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` back from ``apply_rope(x, cos, sin)``, in fp32: each pair (i, i + d/2) un-rotated by the inverse of its
+    2x2 matrix ``[[c1, -s1], [s2, c2]]``, so scaled tables (YaRN's attention factor) divide out too."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    (c1, c2), (s1, s2), (x1, x2) = (t.float().chunk(2, dim=-1) for t in (cos, sin, x_rot))
+    det = c1 * c2 + s1 * s2
+    return torch.cat(((x1 * c2 + x2 * s1) / det, (x2 * c1 - x1 * s2) / det), dim=-1)
+
+
 def check_args(group_size: int, local_window: int, pooling: str) -> None:
     if group_size < 1 or local_window < 1:
         raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
     if pooling not in ("kv", "query"):
         raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
+
+
+def check_given(q, k, q_rot, k_rot) -> None:
+    if (q is None and q_rot is None) or (k is None and k_rot is None):
+        raise ValueError("pass q (before RoPE) or q_rot, and k (before RoPE) or k_rot")
 
 
 def check_chunk_args(q_rot: torch.Tensor, k_raw: torch.Tensor, key_lead: int, group_size: int,
@@ -55,7 +70,7 @@ def visible_core_count(t: torch.Tensor, group_size: int, local_window: int) -> t
 def pool_core_tokens(
     q_rot: torch.Tensor,
     k_rot: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     v: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -66,11 +81,12 @@ def pool_core_tokens(
     """Globality-aware pooling of every complete group (spec: "Groups and core tokens").
 
     ``q_rot``/``k_rot`` are post-RoPE (they give the pooling weights), ``k`` is pre-RoPE (it is
-    pooled, then rotated at the group's middle position ``p*g + g//2``). Returns ``(K_core, V_core)``
-    shaped (B, C, P, d) with ``P = L // g`` and ``C = H`` (pooling ``query``) or ``Hkv`` (``kv``).
+    pooled, then rotated at the group's middle position ``p*g + g//2``); None: ``unapply_rope(k_rot)``.
+    Returns ``(K_core, V_core)`` shaped (B, C, P, d) with ``P = L // g`` and ``C = H`` (pooling
+    ``query``) or ``Hkv`` (``kv``).
     """
     bsz, n_heads, seq_len, head_dim = q_rot.shape
-    n_kv = k.shape[1]
+    n_kv = v.shape[1]
     rep = n_heads // n_kv
     g = group_size
     n_groups = seq_len // g
@@ -89,15 +105,16 @@ def pool_core_tokens(
         logits = logits.mean(dim=2, keepdim=True)  # one weight vector per KV head, shared by its r queries
     weights = logits.softmax(dim=-1)  # (B, Hkv, r or 1, P, g), fp32
 
-    k_g = k[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
+    k = unapply_rope(k_rot[:, :, :end], cos[..., :end, :], sin[..., :end, :]) if k is None else k[:, :, :end].float()
+    k_g = k.view(bsz, n_kv, n_groups, g, head_dim)
     v_g = v[:, :, :end].float().view(bsz, n_kv, n_groups, g, head_dim)
     k_core = torch.einsum("bjrpg,bjpgd->bjrpd", weights, k_g).reshape(bsz, n_core_heads, n_groups, head_dim)
     v_core = torch.einsum("bjrpg,bjpgd->bjrpd", weights, v_g).reshape(bsz, n_core_heads, n_groups, head_dim)
 
-    middle = torch.arange(n_groups, device=k.device) * g + g // 2
+    middle = torch.arange(n_groups, device=v.device) * g + g // 2
     cos_m, sin_m = cos[..., middle, :].float(), sin[..., middle, :].float()
     k_core = apply_rope(k_core, cos_m, sin_m)
-    return k_core.to(k.dtype), v_core.to(v.dtype)
+    return k_core.to(k_rot.dtype), v_core.to(v.dtype)
 
 
 def cca_attention_reference(
@@ -117,12 +134,13 @@ def cca_attention_reference(
     """CCA attention over whole sequences (no cache). Returns (B, H, L, d) in ``q.dtype``; with
     ``return_core`` also the pooled ``(K_core, V_core)`` of ``pool_core_tokens`` (what a KV cache keeps).
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given; ``q`` may then
-    be None (``k``, pre-RoPE, is still what is pooled)."""
+    be None, and ``k`` (pre-RoPE: what is pooled) too, for ``unapply_rope(k_rot)``."""
     check_args(group_size, local_window, pooling)
+    check_given(q, k, q_rot, k_rot)
     q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
     k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
     bsz, n_heads, seq_len, head_dim = q_rot.shape
-    rep = n_heads // k.shape[1]
+    rep = n_heads // v.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
 
     core = pool_core_tokens(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale)
@@ -131,10 +149,10 @@ def cca_attention_reference(
         k_core, v_core = k_core.repeat_interleave(rep, 1), v_core.repeat_interleave(rep, 1)
     k_raw, v_raw = k_rot.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
 
-    pos = torch.arange(seq_len, device=k.device)
+    pos = torch.arange(seq_len, device=v.device)
     n_vis = visible_core_count(pos, group_size, local_window)  # (L,)
     raw_ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= n_vis[:, None] * group_size)
-    core_ok = torch.arange(k_core.shape[2], device=k.device)[None, :] < n_vis[:, None]
+    core_ok = torch.arange(k_core.shape[2], device=v.device)[None, :] < n_vis[:, None]
 
     qf = q_rot.float()
     scores = torch.cat(

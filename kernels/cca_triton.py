@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .cca_pool_triton import pool_backward, pool_forward, table_strides
-from .cca_reference import check_args, check_chunk_args
+from .cca_reference import check_args, check_chunk_args, check_given
 from .tma import descriptors, use_tma as _use_tma
 
 _LOG2E = 1.4426950408889634
@@ -575,11 +575,12 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
 
 class _CCAAttentionFn(torch.autograd.Function):
     """Pooling + fused CCA attention: (q_rot, k_rot, k, v) -> (out, k_core, v_core), ``k`` pre-RoPE (it is
-    what is pooled)."""
+    what is pooled); ``k`` None: the pooling un-rotates ``k_rot`` in registers, and its backward rotates that share
+    of the gradient back into dk_rot."""
 
     @staticmethod
     def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale, use_tma):
-        q, k_rot, k, v = (_last_dim_contiguous(x) for x in (q, k_rot, k, v))
+        q, k_rot, k, v = (None if x is None else _last_dim_contiguous(x) for x in (q, k_rot, k, v))
         cos, sin = cos.contiguous(), sin.contiguous()
         kc, vc = pool_forward(q, k_rot, k, v, cos, sin, group_size, pooling, scale)
         dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
@@ -621,9 +622,11 @@ def cca_attention_triton(
     ``use_tma``: the forward fetches key/value tiles with TMA descriptors (``tma.py``; default: on a Hopper or newer
     GPU, head dims <= 128, aligned rows). Both ways give the same numbers.
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
-    ``q`` may then be None (``k``, pre-RoPE, is still what is pooled).
+    ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
+    registers), so a model that rotated both needs no pass to undo its RoPE.
     """
     check_args(group_size, local_window, pooling)
+    check_given(q, k, q_rot, k_rot)
     shape = (q if q_rot is None else q_rot).shape
     head_dim = shape[-1]
     if head_dim % 2 or head_dim > 256:

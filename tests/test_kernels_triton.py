@@ -66,10 +66,19 @@ def _prerotated(fn):
     return call
 
 
+def _rotated_only(fn):
+    """``fn`` handed only what a model's RoPE gives: q_rot and k_rot, no pre-RoPE q or k (the pooling un-rotates
+    k_rot)."""
+    def call(q, k, v, cos, sin, *args):
+        return fn(None, None, v, cos, sin, *args, q_rot=ref.apply_rope(q, cos, sin), k_rot=ref.apply_rope(k, cos, sin))
+    return call
+
+
 def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, use_tma=None, prerotated=False, **kw):
+    """``prerotated``: True, q/k rotated with the pre-RoPE k beside them; "only", no pre-RoPE k (``_rotated_only``)."""
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed, **kw)
     kernel = functools.partial(tri.cca_attention_triton, use_tma=use_tma)
-    kernel = _prerotated(kernel) if prerotated else kernel
+    kernel = {True: _prerotated, "only": _rotated_only}[prerotated](kernel) if prerotated else kernel
     got = run(kernel, q, k, v, do, cos, sin, g, s, pooling, dtype)
     want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
     names = ("out", "dq", "dk", "dv")
@@ -153,6 +162,18 @@ def test_pooling_kernels_match_reference(B, H, Hkv, L, d, g, pooling):
     for name, a, b in zip(("dq_rot", "dk_rot", "dk", "dv"), got, (want_grads[0], want_grads[1], want_grads[2], want_grads[3])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
+    # No pre-RoPE k: un-rotated from k_rot; its gradient share goes back through the un-rotation into dk_rot.
+    kc, vc = pool.pool_forward(q_rot, k_rot, None, v, cos, sin, g, pooling, scale)
+    torch.testing.assert_close(kc, want_kc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vc, want_vc, atol=1e-5, rtol=1e-5)
+    dq, dk_rot, dv = (x.clone() for x in base)
+    assert pool.pool_backward(dkc, dvc, q_rot, k_rot, None, v, cos, sin, dq, dk_rot, dv, g, pooling, scale) is None
+    leaves = [x.detach().clone().requires_grad_() for x in (q_rot, k_rot, v)]
+    kc, vc = ref.pool_core_tokens(leaves[0], leaves[1], None, leaves[2], cos, sin, g, pooling, scale)
+    want_grads = torch.autograd.grad((kc * dkc).sum() + (vc * dvc).sum(), leaves)
+    for name, a, b in zip(("dq_rot", "dk_rot", "dv"), (dq - base[0], dk_rot - base[1], dv - base[2]), want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"from k_rot {n}: {m}")
+
 
 @pytest.mark.parametrize("pooling", POOLING)
 def test_return_core_gives_the_pooled_tokens(pooling):
@@ -205,6 +226,30 @@ def test_prerotated_q_and_k_give_what_the_kernels_own_rope_gives(B, H, Hkv, L, d
             torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"{fn.__name__} {n}: {m}")
 
 
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("B,H,Hkv,L,d,g,s,scaled", [pytest.param(2, 4, 1, 23, 80, 4, 6, 1.0, id="gqa4-hd80"),
+                                                    pytest.param(1, 5, 1, 41, 64, 3, 7, 1.3, id="gqa5-scaled"),
+                                                    pytest.param(2, 7, 7, 30, 64, 5, 4, 0.7, id="mha7-scaled")])
+def test_rotated_q_and_k_alone_give_what_the_pre_rope_k_gives(B, H, Hkv, L, d, g, s, scaled, pooling):
+    """Given only q_rot/k_rot, the pooled pre-RoPE keys are un-rotated from k_rot (tables scaled as YaRN's attention
+    factor does included): same output, and the same q/k/v gradients back through the model's rotation."""
+    q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L, per_seq_rope=True)
+    cos, sin = cos * scaled, sin * scaled
+    want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
+    for fn in (ref.cca_attention_reference, tri.cca_attention_triton):
+        got = run(_rotated_only(fn), q, k, v, do, cos, sin, g, s, pooling, torch.float32)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"{fn.__name__} {n}: {m}")
+
+
+def test_unapply_rope_inverts_scaled_tables():
+    x = torch.randn(2, 3, 11, 80, dtype=torch.float64)
+    cos, sin = (t.double() * 1.7 for t in rope_tables(11, 80, batch=2, device="cpu"))
+    torch.testing.assert_close(ref.unapply_rope(ref.apply_rope(x, cos, sin), cos, sin).double(), x, atol=1e-6, rtol=0)
+    cos, sin = (t.double() for t in rope_tables(11, 80, device="cpu"))
+    torch.testing.assert_close(ref.unapply_rope(ref.apply_rope(x, cos, sin), cos, sin).double(), x, atol=1e-6, rtol=0)
+
+
 def test_no_grad_and_bad_args():
     q, k, v, _, cos, sin = make_inputs(1, 2, 1, 9, 64, seed=4)
     with torch.no_grad():
@@ -216,6 +261,9 @@ def test_no_grad_and_bad_args():
         tri.cca_attention_triton(q[..., :63], k[..., :63], v[..., :63], cos[:, :63], sin[:, :63], 2, 3)
     with pytest.raises(ValueError):
         tri.cca_attention_triton(q, k, v, cos, sin, 0, 3)
+    for fn in (tri.cca_attention_triton, ref.cca_attention_reference):
+        with pytest.raises(ValueError, match="k_rot"):
+            fn(q, None, v, cos, sin, 2, 3)
 
 
 # ---------------------------------------------------------------- a chunk after a prefill (the cache's entry)
@@ -329,9 +377,12 @@ def test_gpu_head_dims(dtype, d, pooling):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pooling", POOLING)
-def test_gpu_prerotated_q_and_k(pooling):
-    """The model's call (q and k rotated by its own RoPE) at a long length in bf16, GQA 4, head dim 128."""
-    check(2, 8, 2, 4097, 128, 16, 100, pooling, torch.bfloat16, seed=9, prerotated=True)
+@pytest.mark.parametrize("given", [pytest.param(True, id="with-k"), pytest.param("only", id="rotated-only")])
+def test_gpu_prerotated_q_and_k(given, pooling):
+    """The model's call (q and k rotated by its own RoPE; with the pre-RoPE k, or the pooling un-rotating k_rot) at a
+    long length in bf16: GQA 4 with head dim 128, GQA 7 with head dim 80."""
+    check(2, 8, 2, 4097, 128, 16, 100, pooling, torch.bfloat16, seed=9, prerotated=given)
+    check(1, 14, 2, 3001, 80, 16, 500, pooling, torch.bfloat16, seed=10, prerotated=given)
 
 
 @pytest.mark.gpu
