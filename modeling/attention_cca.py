@@ -19,16 +19,17 @@ def cca_attention(q, k, v, cos, sin, config, scale: float, return_core: bool = F
     """CCA over whole sequences whose positions are ``0 .. L-1``; picks the backend (``config`` carries
     ``group_size``, ``local_window``, ``pooling``, ``attn_backend``). With ``return_core``
     also returns the pooled ``(K_core, V_core)`` (a KV cache keeps them), computed once with the attention.
-    ``q_rot``/``k_rot``: q and k as the model's own RoPE rotated them (``q`` may then be None), used as given."""
-    use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and k.is_cuda)
-    if config.attn_backend == "triton" and not k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    ``q_rot``/``k_rot``: q and k as the model's own RoPE rotated them, used as given (``q`` may then be None, and ``k``
+    too: the pooling then un-rotates ``k_rot``)."""
+    use_triton = config.attn_backend == "triton" or (config.attn_backend == "auto" and v.is_cuda)
+    if config.attn_backend == "triton" and not v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attn_backend='triton' needs a CUDA GPU (the model is on the CPU); "
                          "use attn_backend='auto' or 'reference' there")
     if use_triton and cca_attention_triton is None:
         if config.attn_backend == "triton":
             raise ImportError("attn_backend='triton' needs the `triton` package (pip install triton)")
         use_triton = False
-    if use_triton and k.shape[2] <= config.local_window:
+    if use_triton and v.shape[2] <= config.local_window:
         # No query is past the window: CCA is exactly causal attention (spec), and SDPA is faster.
         q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
         k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot

@@ -103,10 +103,14 @@ def inverse_rope(cos, sin):
     return cos.float() / s2, -sin.float() / s2
 
 
+def family_rope(module):
+    """The ``apply_rotary_pos_emb`` of the module's family (modeling file)."""
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    return getattr(rope, "cca_stock", rope)  # (while decode_graph defers a step's RoPE: the rotation itself)
+
+
 def unrope(module, q, k, cos, sin, inverse=None):
     """``q`` and ``k`` before the family's own RoPE (its ``apply_rotary_pos_emb``, one call for both), in fp32;
     ``inverse``: ``inverse_rope(cos, sin)`` when the caller has it."""
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    rope = getattr(rope, "cca_stock", rope)  # (while decode_graph defers a step's RoPE: the rotation itself)
     icos, isin = inverse or inverse_rope(cos, sin)
-    return rope(q.float(), k.float(), icos, isin)
+    return family_rope(module)(q.float(), k.float(), icos, isin)

@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .attention_cca import cca_attention, left_padding, shift_rows
 from .attention_hooks import BatchOpsMixin, crop_length
-from .cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_tokens
+from .cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_tokens, unapply_rope
 
 try:
     from .cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
@@ -311,18 +311,19 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         """CCA attention of the new tokens (pre-RoPE q/k; ``rotated``: post-RoPE, where ``decodes_rotated``; ``"eager"``:
         pre-RoPE there, rotated by the decode kernel as the family's eager RoPE rounds) against the cached state;
         updates the state. ``given_rotated``: for a prompt or a chunk of several tokens that is not a decode pass,
-        (q_rot, k_rot) as the model's RoPE gave them, used as given (``q`` may then be None)."""
-        n = k.shape[2]
+        (q_rot, k_rot) as the model's RoPE gave them, used as given (``q`` may then be None, and ``k`` too: the
+        pre-RoPE keys the state keeps are then ``unapply_rope(k_rot)``)."""
+        n = v.shape[2]
         mask = attention_mask[:, -n:] if attention_mask is not None and attention_mask.dim() == 2 else None
         one = n == 1
-        token_steps = self.seen is not None and self._token_steps(k)
+        token_steps = self.seen is not None and self._token_steps(v)
         if given_rotated is not None and self.seen is not None and (one or token_steps or rotated):
             raise ValueError("given_rotated is for a prompt or a chunk of several tokens, not a decode pass")
         if mask is not None and not token_steps:
             mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
             return self._prefill(q, k, v, cos, sin, mask, scale, *(given_rotated or (None, None)))
-        cos, sin = cos.expand(k.shape[0], -1, -1), sin.expand(k.shape[0], -1, -1)  # (B, q_len, d)
+        cos, sin = cos.expand(v.shape[0], -1, -1), sin.expand(v.shape[0], -1, -1)  # (B, q_len, d)
         # what crop() needs to undo this pass, unless it can drop it in place (the slack): the state before it (a
         # one-token step writes in place: copies, only when transformers announced a crop; a longer pass replaces the
         # rings: references) and its inputs
@@ -363,7 +364,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
     def _prefill(self, q, k, v, cos, sin, mask, scale, q_rot=None, k_rot=None):
         cfg = self.config
-        bsz, _, seq_len, _ = k.shape
+        bsz, _, seq_len, _ = v.shape
         slack = SPECULATIVE_SLACK if self.record_past else 0
         window = cfg.local_window + cfg.group_size - 1 + slack
         cos, sin = cos.expand(bsz, -1, -1), sin.expand(bsz, -1, -1)
@@ -376,11 +377,13 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         if n_pad is not None:
             out = shift_rows(out, seq_len - n_pad, 2)
 
-        seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=k.device)
+        seen = mask.sum(-1) if mask is not None else torch.full((bsz,), seq_len, device=v.device)
         # crop() may drop up to ROLLBACK columns of this pass: keep the prompt's tail (real tokens first) that the
         # rings would then be rebuilt from
         start = max(0, (int(seen.min()) if mask is not None else seq_len) - window - ROLLBACK)  # one sync
-        tail = (k[:, :, start:], v[:, :, start:], cos[:, start:], sin[:, start:], start)
+        cos, sin = cos[:, start:], sin[:, start:]
+        k = unapply_rope(k_rot[:, :, start:], cos, sin).to(v.dtype) if k is None else k[:, :, start:]
+        tail = (k, v[:, :, start:], cos, sin, start)
         self._tail = []
         self._rings_from(*tail, seen, seq_len, slack)
         self._undo = {"cols": max(0, seq_len - ROLLBACK), "tail": tail}
@@ -480,7 +483,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         g, s, pooling = cfg.group_size, cfg.local_window, cfg.pooling
         bsz, n_heads, q_len, head_dim = (q if q_rot is None else q_rot).shape
         window = self.win_k.shape[2]
-        dev, dtype = k.device, v.dtype
+        dev, dtype = v.device, v.dtype
         if mask is not None:  # real tokens of the chunk first (left padding: they are its suffix)
             lead = (~mask).long().cumprod(-1).sum(-1)
             n_new = mask.sum(-1)
@@ -495,6 +498,9 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         real = col[None] < n_new[:, None]
         q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
         k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
+        # fp32, as the kernels pool a prompt's un-rotated keys (a bf16 copy would round the chunk's core tokens
+        # otherwise than one pass does); the group ring keeps them in the cache's dtype
+        k = unapply_rope(k_rot, cos, sin) if k is None else k
 
         # 1. Pool the groups that complete inside the chunk. Build each row's sequence from the start of
         #    its current group: the g-1 positions before the chunk (from the rings) ++ the chunk.
@@ -502,7 +508,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         gw, n_mid, rows = self.grp_k.shape[2], self.mid_cos.shape[1], torch.arange(bsz, device=dev)
         k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
         v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
-        k_x = torch.cat((_rows(self.grp_k, old % gw, 2), k), 2)
+        k_x = torch.cat((_rows(self.grp_k, old % gw, 2).to(k.dtype), k), 2)
         cur = (T // g) % n_mid  # the current group's middle tables
         cos_x = torch.cat((self.mid_cos[rows, cur][:, None].expand(-1, g - 1, -1), cos), 1)
         sin_x = torch.cat((self.mid_sin[rows, cur][:, None].expand(-1, g - 1, -1), sin), 1)
@@ -548,7 +554,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             ring = getattr(self, name)
             slot_pos = _slot_positions(T_new - 1, size)
             from_chunk = (slot_pos >= T[:, None])[:, None, :, None]
-            fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2)
+            fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2).to(ring.dtype)
             setattr(self, name, torch.where(from_chunk, fresh, ring))
         # each ring slot of middle tables: the newest middle of the chunk's groups that map to it, if any
         is_mid = real & (pos % g == g // 2)

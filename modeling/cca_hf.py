@@ -4,10 +4,11 @@ A family's CCA model (``modeling_cca_<family>.py``) is its stock ``XForCausalLM`
 MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code — with ``CCAModelMixin`` in front:
 
 - the attention implementation defaults to ``"cca"``, the function registered below. It receives transformers'
-  post-RoPE q/k, recovers the pre-RoPE tensors with the family's own ``apply_rotary_pos_emb`` (CCA pools pre-RoPE
-  keys and rotates them at the group middle), and runs CCA (``attention_cca.py``) or its compressed cache
-  (``cache_cca.py``). Sliding-window layers (Gemma 3's local layers, Qwen's ``max_window_layers``) keep their own
-  sliding attention and cache: CCA replaces full attention only.
+  post-RoPE q/k and runs CCA (``attention_cca.py``) or its compressed cache (``cache_cca.py``) on them. CCA pools
+  pre-RoPE keys (and rotates them at the group middle): the pooling undoes a ``rotate_half`` RoPE itself, any other
+  goes back through the family's own ``apply_rotary_pos_emb`` with inverse tables. Sliding-window layers (Gemma 3's
+  local layers, Qwen's ``max_window_layers``) keep their own sliding attention and cache: CCA replaces full attention
+  only.
 - a forward pre-hook on every attention module keeps the layer's ``position_embeddings`` and cache for that
   function (transformers passes neither to attention functions);
 - ``forward`` swaps an empty cache for the compressed one (``generate()`` creates a ``DynamicCache``), and on CUDA
@@ -34,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .attention_hooks import MethodModelMixin, dispatching, unrope
+from .attention_hooks import MethodModelMixin, dispatching, family_rope, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import SPECULATIVE_SLACK, CCACache, CCALayerCache
 from .cca_reference import apply_rope
@@ -150,8 +151,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                         "call the CausalLM (it brings its cache), or pass past_key_values=HFCCACache(model.config)")
     # A prompt or a chunk after it: the kernels attend with q and k as the family rotated them; only k is needed before
     # RoPE (it is what is pooled). Un-rotating q too, to rotate it again, cost ~8% of a 128K prefill
-    # (decode-generate-h200.md).
-    k = unrope(module, key[:, :0], key, cos, sin)[1].to(value.dtype)  # (q: no heads, nothing computed)
+    # (decode-generate-h200.md); un-rotating k in torch cost more than the kernel's own RoPE (attention-h200-kv.md), so
+    # where the family's RoPE is rotate_half the pooling undoes it in registers (k=None).
+    k = None if rotates_half(family_rope(module)) else unrope(module, key[:, :0], key, cos, sin)[1].to(value.dtype)
     if isinstance(cache, CCACache):
         out = cache.cca_attention(module.layer_idx, None, k, value, cos, sin, attention_mask, scaling,
                                   given_rotated=(query, key))
@@ -160,12 +162,26 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2), None
 
 
+@functools.cache
+def rotates_half(rope) -> bool:
+    """Whether a family's ``apply_rotary_pos_emb`` is the full-width ``rotate_half`` RoPE (``cca_reference.apply_rope``),
+    which the kernels can undo themselves; checked on random tables. Every supported family's is: CCA re-rotates its
+    core tokens that way."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 3, 5, 8, generator=gen, dtype=torch.float64)
+    cos, sin = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
+    try:
+        return all(torch.allclose(got, apply_rope(x, cos, sin)) for got, x in zip(rope(q, k, cos, sin), (q, k)))
+    except (RuntimeError, TypeError):  # e.g. a hub kernel put in its place that takes no CPU float64: its own inverse
+        return False
+
+
 def _no_cache_attention(q_rot, k_rot, k, v, cos, sin, attention_mask, settings, scale):
     n_pad = left_padding(attention_mask)
     if n_pad is None:
         return cca_attention(None, k, v, cos, sin, settings, scale, q_rot=q_rot, k_rot=k_rot)
     bsz, q_len = q_rot.shape[0], q_rot.shape[2]
-    q_rot, k_rot, k, v = (shift_rows(x, n_pad, 2) for x in (q_rot, k_rot, k, v))
+    q_rot, k_rot, k, v = (None if x is None else shift_rows(x, n_pad, 2) for x in (q_rot, k_rot, k, v))
     cos, sin = (shift_rows(x.expand(bsz, -1, -1), n_pad, 1) for x in (cos, sin))
     return shift_rows(cca_attention(None, k, v, cos, sin, settings, scale, q_rot=q_rot, k_rot=k_rot), q_len - n_pad, 2)
 

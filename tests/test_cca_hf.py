@@ -91,6 +91,41 @@ def test_family_training_step_gives_finite_qkv_gradients(family):
     assert torch.isfinite(loss)
 
 
+def test_the_pooling_undoes_every_familys_rope_and_another_rope_goes_back_through_its_own_function(monkeypatch):
+    """Every supported family's RoPE is rotate_half, which the pooling undoes itself (no un-rotation pass); a RoPE that
+    is not (here: one that refuses the probe's inputs) is undone by the family's own function with inverse tables,
+    with the same logits and q/k/v gradients."""
+    for family in FAMILIES:
+        module = __import__(stock_and_cca(family)[0].__class__.__module__, fromlist=["apply_rotary_pos_emb"])
+        assert hf.rotates_half(module.apply_rotary_pos_emb), family
+    stock, cca = stock_and_cca("llama", g=4, s=8)
+    x = ids(length=30)
+
+    def logits_and_grads():
+        cca.zero_grad()
+        out = cca(x, use_cache=False).logits
+        out.float().square().mean().backward()
+        grads = [p.grad.clone() for n, p in cca.named_parameters() if any(t in n for t in ("q_proj", "k_proj", "v_proj"))]
+        return [out.detach(), *grads]
+
+    want = logits_and_grads()
+    llama = transformers.models.llama.modeling_llama
+    stock_rope, undone = llama.apply_rotary_pos_emb, []
+
+    def rope(q, k, cos, sin, unsqueeze_dim=1):
+        if q.dtype == torch.float64:
+            raise TypeError("no float64 here")
+        undone.append(q.shape[1] == 0)  # attention_hooks.unrope passes q with no heads
+        return stock_rope(q, k, cos, sin, unsqueeze_dim)
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", rope)
+    assert not hf.rotates_half(rope)
+    got = logits_and_grads()
+    assert undone.count(True) == cca.config.num_hidden_layers
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter only")
 def test_triton_backend_through_the_stock_classes_matches_the_reference():
     _, ref = stock_and_cca("qwen3", g=4, s=8)
@@ -219,6 +254,23 @@ def test_the_model_holds_no_cache_after_generate():
         assert all(getattr(m, "_method_ctx", None) is None for m in cca.modules())
     finally:
         gc.enable()
+
+
+@torch.no_grad()
+def test_bf16_chunks_pool_bit_for_bit_what_one_pass_pools():
+    """A bf16 prompt fed in group-aligned chunks pools exactly the core tokens of one pass: both pool the pre-RoPE keys
+    un-rotated from the family's k_rot in fp32, never a rounded copy (which moved a 128K prompt's chunked hidden states
+    off one pass's by more than full attention's rounding does, benchmarks/results/prefill-h200.md)."""
+    _, cca = stock_and_cca("llama", g=4, s=8)
+    cca = cca.to(torch.bfloat16)
+    x = ids(bsz=2, length=64)
+    one, chunked = hf.HFCCACache(cca.config), hf.HFCCACache(cca.config)
+    cca.model(x, past_key_values=one, use_cache=True)
+    for a, b in ((0, 24), (24, 40), (40, 64)):
+        cca.model(x[:, a:b], past_key_values=chunked, use_cache=True)
+    whole, parts = one.layers[0], chunked.layers[0]  # (later layers' inputs differ by the attention's rounding)
+    assert torch.equal(whole.core_k[:, :, :16], parts.core_k[:, :, :16])
+    assert torch.equal(whole.core_v[:, :, :16], parts.core_v[:, :, :16])
 
 
 @torch.no_grad()
