@@ -8,8 +8,10 @@ Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, 
 Conventions
 - Median of triton.testing.do_bench. "fwd" is one forward call; "fwd+bwd" is forward plus
   torch.autograd.grad w.r.t. q, k, v.
-- CCA timings are the whole ``cca_attention_triton`` call: RoPE + pooling + fused attention. SDPA runs on
-  already-rotated q/k (RoPE not timed) with ``enable_gqa=True`` (no repeat_kv copy) and ``is_causal``.
+- ``cca_triton`` timings are the whole ``cca_attention_triton`` call on pre-RoPE q/k: RoPE + pooling + fused
+  attention. ``cca_rotated`` is the call a model makes: q/k as its RoPE rotated them (``q_rot``/``k_rot``, the
+  pooling un-rotates k itself), the same inputs as SDPA, which runs with ``enable_gqa=True`` (no repeat_kv copy) and
+  ``is_causal``. In fwd+bwd, gradients are w.r.t. each method's own inputs.
 - Speed-up is against the fastest SDPA backend of the same run, same pass.
 - Useful TFLOP/s counts only the score entries each method must compute: CCA n(t) core tokens plus
   the raw keys [n(t)*g, t] per query (causal attention: t+1 keys); 4*d flops per entry forward
@@ -79,6 +81,9 @@ def make_methods(L, args, q, k, v, cos, sin, do):
     for pooling in args.pooling:
         methods[f"cca_triton[{pooling}]"] = (
             lambda x, y, z, p=pooling: tri.cca_attention_triton(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")
+        methods[f"cca_rotated[{pooling}]"] = (
+            lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x, k_rot=y),
+            (q_rot, k_rot, v), "cca")
         if L <= args.ref_max:
             methods[f"cca_reference[{pooling}]"] = (
                 lambda x, y, z, p=pooling: ref.cca_attention_reference(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")
