@@ -381,23 +381,28 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         # crop() may drop up to ROLLBACK columns of this pass: keep the prompt's tail (real tokens first) that the
         # rings would then be rebuilt from
         start = max(0, (int(seen.min()) if mask is not None else seq_len) - window - ROLLBACK)  # one sync
-        cos, sin = cos[:, start:], sin[:, start:]
-        k = unapply_rope(k_rot[:, :, start:], cos, sin).to(v.dtype) if k is None else k[:, :, start:]
-        tail = (k, v[:, :, start:], cos, sin, start)
+        # copies, not views: a view would keep the layer's whole prompt k/v alive until the next pass
+        cos, sin = cos[:, start:].clone(), sin[:, start:].clone()
+        k_rot = None if k_rot is None else k_rot[:, :, start:].clone()
+        k = unapply_rope(k_rot, cos, sin).to(v.dtype) if k is None else k[:, :, start:].clone()
+        tail = (k, v[:, :, start:].clone(), cos, sin, start, k_rot)
         self._tail = []
         self._rings_from(*tail, seen, seq_len, slack)
         self._undo = {"cols": max(0, seq_len - ROLLBACK), "tail": tail}
         self._note(seq_len, mask)
         return out
 
-    def _rings_from(self, k, v, cos, sin, start, seen, cols, slack):
+    def _rings_from(self, k, v, cos, sin, start, k_rot, seen, cols, slack):
         """The rings and group-middle tables of rows that have seen ``seen`` real tokens (real tokens first),
-        from their keys/values/tables at columns ``start ..``; ``slack``: the speculative slack (module docstring)."""
+        from their keys/values/tables at columns ``start ..`` (``k_rot``: the keys as the model rotated them, or None);
+        ``slack``: the speculative slack (module docstring)."""
         g = self.config.group_size
         window, n_mid = self.config.local_window + g - 1 + slack, slack // g + 2 if slack else 1
-        # Only the window's keys are kept rotated: rotate those rows, not the whole prompt again.
-        cos_w, sin_w = (_ring_gather(x[:, None], seen, window, start) for x in (cos, sin))
-        self.win_k = apply_rope(_ring_gather(k, seen, window, start), cos_w, sin_w)
+        if k_rot is not None:  # the keys the prompt attended to, as they are (a chunk's ring update keeps those too)
+            self.win_k = _ring_gather(k_rot, seen, window, start).to(v.dtype)
+        else:  # only the window's keys are kept rotated: rotate those rows, not the whole prompt again
+            cos_w, sin_w = (_ring_gather(x[:, None], seen, window, start) for x in (cos, sin))
+            self.win_k = apply_rope(_ring_gather(k, seen, window, start), cos_w, sin_w)
         self.win_v = _ring_gather(v, seen, window, start)
         self.grp_k = _ring_gather(k, seen, g + slack, start)
         # the middles of the current group and the n_mid - 1 before it (those not seen yet: overwritten when seen)

@@ -260,7 +260,8 @@ def test_the_model_holds_no_cache_after_generate():
 def test_bf16_chunks_pool_bit_for_bit_what_one_pass_pools():
     """A bf16 prompt fed in group-aligned chunks pools exactly the core tokens of one pass: both pool the pre-RoPE keys
     un-rotated from the family's k_rot in fp32, never a rounded copy (which moved a 128K prompt's chunked hidden states
-    off one pass's by more than full attention's rounding does, benchmarks/results/prefill-h200.md)."""
+    off one pass's by more than full attention's rounding does, benchmarks/results/prefill-h200.md). Both keep the
+    family's rotated keys in the window ring, as they attended to them (not re-rotated copies)."""
     _, cca = stock_and_cca("llama", g=4, s=8)
     cca = cca.to(torch.bfloat16)
     x = ids(bsz=2, length=64)
@@ -271,6 +272,22 @@ def test_bf16_chunks_pool_bit_for_bit_what_one_pass_pools():
     whole, parts = one.layers[0], chunked.layers[0]  # (later layers' inputs differ by the attention's rounding)
     assert torch.equal(whole.core_k[:, :, :16], parts.core_k[:, :, :16])
     assert torch.equal(whole.core_v[:, :, :16], parts.core_v[:, :, :16])
+    for ring in ("win_k", "win_v", "grp_k"):
+        assert torch.equal(getattr(whole, ring), getattr(parts, ring)), ring
+
+
+@torch.no_grad()
+def test_a_prompt_leaves_copies_of_its_tail_not_views_of_the_whole_prompt():
+    """What crop() may rebuild the rings from after a prompt is its last s + g - 1 + 256 columns: copies, so that the
+    layer's whole prompt k/v (16 GiB over 32 layers at 128K) is not kept alive until the next pass."""
+    _, cca = stock_and_cca("llama", g=4, s=8)
+    cache = hf.HFCCACache(cca.config)
+    cca.model(ids(bsz=2, length=400), past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        tail = [x for x in layer._undo["tail"] if isinstance(x, torch.Tensor)]
+        assert len(tail) == 5 and all(x.shape[-2] == (8 + 4 - 1) + 256 for x in tail)  # k, v, cos, sin, k_rot
+        for x in tail:
+            assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
 @torch.no_grad()
