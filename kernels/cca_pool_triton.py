@@ -211,10 +211,11 @@ def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale):
     B, D = q_rot.shape[0], q_rot.shape[-1]
     kc = torch.empty((B, meta["n_core"], meta["P"], D), dtype=k_rot.dtype, device=v.device)
     vc = torch.empty(kc.shape, dtype=v.dtype, device=v.device)
+    k = k_rot if k is None else k  # (FROM_ROT: never read)
     if meta["P"]:
         _pool_fwd_kernel[(B * meta["n_kv"] * meta["P"],)](
-            q_rot, k_rot, k_rot if k is None else k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot),
-            *_strides(k_rot if k is None else k), *_strides(v), *table_strides(cos), scale=scale, **meta,
+            q_rot, k_rot, k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v),
+            *table_strides(cos), scale=scale, **meta,
         )
     return kc, vc
 
@@ -227,10 +228,11 @@ def pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, group_
     dkc, dvc = dkc.contiguous(), dvc.contiguous()
     # rows past the last group get no gradient from the pooling
     dk = None if k is None else torch.zeros(dk_rot.shape, dtype=dk_rot.dtype, device=dk_rot.device)
+    k_in, dk_out = (k_rot, dk_rot) if k is None else (k, dk)  # (FROM_ROT: neither is read nor written)
     if meta["P"]:
         _pool_bwd_kernel[(q_rot.shape[0] * meta["n_kv"] * meta["P"],)](
-            q_rot, k_rot, k_rot if k is None else k, v, cos, sin, dkc, dvc, dq, dk_rot, dk_rot if k is None else dk,
-            dv, *_strides(q_rot), *_strides(k_rot), *_strides(k_rot if k is None else k), *_strides(v),
-            *table_strides(cos), *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
+            q_rot, k_rot, k_in, v, cos, sin, dkc, dvc, dq, dk_rot, dk_out, dv,
+            *_strides(q_rot), *_strides(k_rot), *_strides(k_in), *_strides(v), *table_strides(cos),
+            *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
         )
     return dk

@@ -4,6 +4,7 @@ decodes from its compressed cache exactly as a no-cache loop does, and trains â€
 several families built from transformers' own configs."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_the_pooling_undoes_every_familys_rope_and_another_rope_goes_back_throug
     is not (here: one that refuses the probe's inputs) is undone by the family's own function with inverse tables,
     with the same logits and q/k/v gradients."""
     for family in FAMILIES:
-        module = __import__(stock_and_cca(family)[0].__class__.__module__, fromlist=["apply_rotary_pos_emb"])
+        module = sys.modules[getattr(transformers, TABLE[family].causal_lm).__module__]
         assert hf.rotates_half(module.apply_rotary_pos_emb), family
     stock, cca = stock_and_cca("llama", g=4, s=8)
     x = ids(length=30)
