@@ -50,9 +50,10 @@ from .cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_
 
 try:
     from .cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
+    from .cca_pool_triton import pool_forward
     from .cca_triton import cca_chunk_attention_triton
 except ImportError:  # triton is optional
-    cca_decode_append_triton = cca_decode_attention_triton = cca_chunk_attention_triton = None
+    cca_decode_append_triton = cca_decode_attention_triton = cca_chunk_attention_triton = pool_forward = None
 
 CORE_SLACK = 64  # core slots added when the core buffer grows during decoding
 GRAPH_RESERVE = 4096  # tokens of core capacity reserved at a time for captured decode steps (which cannot grow it)
@@ -156,6 +157,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self._undo = None  # how to go back to the start of the last forward pass (see crop)
         self.slack = 0  # ring positions kept beyond the spec's window: columns crop() drops in place
         self._tail = []  # (columns, their attention-mask columns or None) of the last passes, >= slack columns
+        self.all_real = True  # every pass so far came without a padding mask: every row has seen exactly ``cols``
 
     # --- transformers Cache layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -181,6 +183,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             setattr(self, name, None)
         self.cols = self.max_seen = self.slack = 0
         self._tail = []
+        self.all_real = True
 
     def _map(self, fn):
         if self.seen is not None:
@@ -319,6 +322,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         token_steps = self.seen is not None and self._token_steps(v)
         if given_rotated is not None and self.seen is not None and (one or token_steps or rotated):
             raise ValueError("given_rotated is for a prompt or a chunk of several tokens, not a decode pass")
+        self.all_real = self.all_real and mask is None  # (transformers passes None where no column is a pad)
         if mask is not None and not token_steps:
             mask = mask.bool()  # (the decode kernels read any 0/1 dtype: no conversion launch in a captured step)
         if self.seen is None:
@@ -481,6 +485,33 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.max_seen += 1
         return out
 
+    def _pool_across(self, q_rot, k_rot, k, v, cos, sin, T, scale):
+        """The core tokens of the groups that complete inside a chunk whose rows start at ``T`` (any offset in a
+        group; real tokens first): each row's sequence from the start of its current group, i.e. the g-1 positions
+        before the chunk (from the rings) ++ the chunk. (B, C, (g - 1 + q_len) // g, d); row b's first
+        (T_b % g + n_new_b) // g are real."""
+        g, pooling = self.config.group_size, self.config.pooling
+        bsz, n_heads, q_len, head_dim = q_rot.shape
+        window, dev = self.win_k.shape[2], v.device
+        # fp32, as the kernels pool a prompt's un-rotated keys (a bf16 copy would round the chunk's core tokens
+        # otherwise than one pass does); the group ring keeps them in the cache's dtype
+        k = unapply_rope(k_rot, cos, sin) if k is None else k
+        old = T[:, None] - (g - 1) + torch.arange(g - 1, device=dev)  # (B, g-1)
+        gw, n_mid, rows = self.grp_k.shape[2], self.mid_cos.shape[1], torch.arange(bsz, device=dev)
+        k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
+        v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
+        k_x = torch.cat((_rows(self.grp_k, old % gw, 2).to(k.dtype), k), 2)
+        cur = (T // g) % n_mid  # the current group's middle tables
+        cos_x = torch.cat((self.mid_cos[rows, cur][:, None].expand(-1, g - 1, -1), cos), 1)
+        sin_x = torch.cat((self.mid_sin[rows, cur][:, None].expand(-1, g - 1, -1), sin), 1)
+        ext = g - 1 + q_len
+        align = (torch.arange(ext, device=dev)[None] + (g - 1) - (T % g)[:, None]).clamp(max=ext - 1)
+        # pooling reads only each group's last query (always a chunk column): gather those rows, not the chunk's q
+        q_al = q_rot.new_zeros(bsz, n_heads, ext, head_dim)
+        q_al[:, :, g - 1 :: g] = _rows(q_rot, align[:, g - 1 :: g] - (g - 1), 2)
+        return pool_core_tokens(q_al, _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
+                                _rows(cos_x, align, 1), _rows(sin_x, align, 1), g, pooling, scale)
+
     def _extend(self, q, k, v, cos, sin, mask, scale, q_rot=None, k_rot=None):
         """A chunk of several tokens after a prefill: exact, from the compressed state (no full-length state kept).
         ``q_rot``/``k_rot``: q and k as the model's RoPE rotated them, used as given (``q`` may then be None)."""
@@ -503,30 +534,19 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         real = col[None] < n_new[:, None]
         q_rot = apply_rope(q, cos, sin) if q_rot is None else q_rot
         k_rot = apply_rope(k, cos, sin) if k_rot is None else k_rot
-        # fp32, as the kernels pool a prompt's un-rotated keys (a bf16 copy would round the chunk's core tokens
-        # otherwise than one pass does); the group ring keeps them in the cache's dtype
-        k = unapply_rope(k_rot, cos, sin) if k is None else k
+        kernel = cca_chunk_attention_triton is not None and cfg.attn_backend in ("auto", "triton") and (
+            v.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, q_rot, k_rot)))
 
-        # 1. Pool the groups that complete inside the chunk. Build each row's sequence from the start of
-        #    its current group: the g-1 positions before the chunk (from the rings) ++ the chunk.
-        old = T[:, None] - (g - 1) + torch.arange(g - 1, device=dev)  # (B, g-1)
-        gw, n_mid, rows = self.grp_k.shape[2], self.mid_cos.shape[1], torch.arange(bsz, device=dev)
-        k_rot_x = torch.cat((_rows(self.win_k, old % window, 2), k_rot), 2)
-        v_x = torch.cat((_rows(self.win_v, old % window, 2), v), 2)
-        k_x = torch.cat((_rows(self.grp_k, old % gw, 2).to(k.dtype), k), 2)
-        cur = (T // g) % n_mid  # the current group's middle tables
-        cos_x = torch.cat((self.mid_cos[rows, cur][:, None].expand(-1, g - 1, -1), cos), 1)
-        sin_x = torch.cat((self.mid_sin[rows, cur][:, None].expand(-1, g - 1, -1), sin), 1)
-        ext = g - 1 + q_len
-        r_old = T % g
-        align = (torch.arange(ext, device=dev)[None] + (g - 1) - r_old[:, None]).clamp(max=ext - 1)
-        # pooling reads only each group's last query (always a chunk column): gather those rows, not the chunk's q
-        q_al = q_rot.new_zeros(bsz, n_heads, ext, head_dim)
-        q_al[:, :, g - 1 :: g] = _rows(q_rot, align[:, g - 1 :: g] - (g - 1), 2)
-        new_ck, new_cv = pool_core_tokens(
-            q_al, _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
-            _rows(cos_x, align, 1), _rows(sin_x, align, 1), g, pooling, scale,
-        )  # (B, C, ext // g, d); row b's first (r_old + n_new) // g are real
+        # 1. Pool the groups that complete inside the chunk.
+        if kernel and self.all_real and self.cols % g == 0:
+            # every row starts the chunk at a group border: its groups are the chunk's own, pooled by the prefill's
+            # pooling kernel (k None: from k_rot, un-rotated in registers), so group-aligned chunks give the core
+            # tokens of one pass bit for bit, with no gathered copies of the chunk
+            new_ck, new_cv = pool_forward(*(None if x is None else x if x.stride(-1) == 1 else x.contiguous()
+                                            for x in (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale)
+        else:
+            new_ck, new_cv = self._pool_across(q_rot, k_rot, k, v, cos, sin, T, scale)
         p_old = T // g
 
         # 2. Store them: the attention reads every core token a query sees from the cache (row b's new groups land
@@ -543,9 +563,6 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         ring = torch.remainder(T[:, None] - n_ring + torch.arange(n_ring, device=dev), window)
         k_raw = torch.cat((_rows(self.win_k, ring, 2).to(dtype), k_rot.to(dtype)), 2)
         v_raw = torch.cat((_rows(self.win_v, ring, 2).to(dtype), v), 2)
-        kernel = cca_chunk_attention_triton is not None and cfg.attn_backend in ("auto", "triton") and (
-            k.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
-            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, q_rot, k_rot)))
         attend = cca_chunk_attention_triton if kernel else cca_chunk_attention_reference  # (the kernel: forward only)
         out = attend(q_rot.to(dtype), k_raw, v_raw, self.core_k.to(dtype), self.core_v.to(dtype), T, n_ring, g, s,
                      scale)
@@ -555,12 +572,17 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
         # 4. Update the rings and middles.
         T_new = T + n_new
+        gw, n_mid = self.grp_k.shape[2], self.mid_cos.shape[1]
         for name, size, src in (("win_k", window, k_rot), ("win_v", window, v), ("grp_k", gw, k)):
             ring = getattr(self, name)
             slot_pos = _slot_positions(T_new - 1, size)
             from_chunk = (slot_pos >= T[:, None])[:, None, :, None]
-            fresh = _rows(src, (slot_pos - T[:, None]).clamp(0, q_len - 1), 2).to(ring.dtype)
-            setattr(self, name, torch.where(from_chunk, fresh, ring))
+            cols = (slot_pos - T[:, None]).clamp(0, q_len - 1)
+            if src is None:  # the pre-RoPE keys of the ring's columns only: un-rotated from k_rot (fp32, as pooled)
+                fresh = unapply_rope(_rows(k_rot, cols, 2), _rows(cos, cols, 1), _rows(sin, cols, 1))
+            else:
+                fresh = _rows(src, cols, 2)
+            setattr(self, name, torch.where(from_chunk, fresh.to(ring.dtype), ring))
         # each ring slot of middle tables: the newest middle of the chunk's groups that map to it, if any
         is_mid = real & (pos % g == g // 2)
         mids = [torch.where(is_mid & ((pos // g) % n_mid == m), col, -1).amax(-1) for m in range(n_mid)]

@@ -4,6 +4,7 @@ decodes from its compressed cache exactly as a no-cache loop does, and trains â€
 several families built from transformers' own configs."""
 
 import copy
+import os
 import sys
 
 import pytest
@@ -275,6 +276,42 @@ def test_bf16_chunks_pool_bit_for_bit_what_one_pass_pools():
     assert torch.equal(whole.core_v[:, :, :16], parts.core_v[:, :, :16])
     for ring in ("win_k", "win_v", "grp_k"):
         assert torch.equal(getattr(whole, ring), getattr(parts, ring)), ring
+
+
+@torch.no_grad()
+def test_group_aligned_chunks_on_the_kernels_pool_what_one_pass_pools_straight_from_the_chunk(monkeypatch):
+    """On the kernels, a chunk that starts at a group border in every row (no padding mask so far, ``cols % g == 0``)
+    is pooled by the prefill's own pooling kernel, straight from the chunk's q_rot/k_rot/v (no gathered copies): the
+    core tokens and rings of one pass bit for bit (bf16). A chunk off the border, or after a padded pass, takes the
+    general path (the rings' g-1 positions before the chunk ++ the chunk, pooled in torch)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    cache_mod = published.load("cache_cca")
+    monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
+    calls, pool = [], cache_mod.pool_forward
+    monkeypatch.setattr(cache_mod, "pool_forward", lambda *a: calls.append(a[0].shape[2]) or pool(*a))
+    stock, _ = stock_and_cca("llama", g=4, s=8)
+    cca = cca_hf_model_from(stock, group_size=4, local_window=8, attn_backend="triton").to(torch.bfloat16)
+    x = ids(bsz=2, length=64)
+    one, chunked = hf.HFCCACache(cca.config), hf.HFCCACache(cca.config)
+    cca.model(x, past_key_values=one, use_cache=True)
+    for a, b in ((0, 24), (24, 40), (40, 47), (47, 56), (56, 64)):  # at cols 24, 40, 56: on the border; 47: off it
+        cca.model(x[:, a:b], past_key_values=chunked, use_cache=True)
+    assert calls == [n for n in (16, 7, 8) for _ in range(cca.config.num_hidden_layers)]
+    whole, parts = one.layers[0], chunked.layers[0]  # (later layers' inputs differ by the attention's rounding)
+    kernel_pooled = [*range(6, 11), 14, 15]  # groups 11-13 complete in the chunk off the border
+    assert torch.equal(whole.core_k[:, :, kernel_pooled], parts.core_k[:, :, kernel_pooled])
+    assert torch.equal(whole.core_v[:, :, kernel_pooled], parts.core_v[:, :, kernel_pooled])
+    torch.testing.assert_close(whole.core_k[:, :, :16], parts.core_k[:, :, :16], atol=2e-2, rtol=0)
+    for ring in ("win_k", "win_v", "grp_k"):
+        assert torch.equal(getattr(whole, ring), getattr(parts, ring)), ring
+
+    calls.clear()
+    padded, mask = hf.HFCCACache(cca.config), torch.ones_like(x)
+    mask[1, :3] = 0  # a padding mask once: a row may be off the border whatever the column count
+    for a, b in ((0, 24), (24, 40)):
+        cca.model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=padded, use_cache=True)
+    assert calls == []
 
 
 @torch.no_grad()
