@@ -32,7 +32,9 @@ never pooled and never keys. ``get_seq_length()`` counts columns, pads included,
 The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
 the compressed state; later calls run the decode kernels (one token), or pool the groups a chunk completes into the
 core tokens and attend over those and ``[ring ++ chunk]`` (chunked prefill: the prefill's forward kernel with its
-rows at the chunk's positions on the Triton path, ``cca_chunk_attention_reference`` otherwise).
+rows at the chunk's positions on the Triton path, ``cca_chunk_attention_reference`` otherwise). On the Triton path a
+chunk that starts at a group border in every row (no padding mask so far) is pooled by the prefill's pooling kernel,
+so such chunks give one pass's numbers bit for bit.
 
 A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
 ``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``state_version``: assigning
