@@ -121,6 +121,11 @@ def _reringed(ring: torch.Tensor, seen: torch.Tensor, size: int) -> torch.Tensor
     return _rows(ring, torch.remainder(_slot_positions(seen - 1, size), ring.shape[2]), 2)
 
 
+def _unit_last_stride(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` as the kernels index it (unit stride in its last dim); other strides, including a batch stride of 0, stay."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
 def _rows(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` gathered per batch row along ``dim`` at indices ``idx`` (B, n)."""
     shape = [x.shape[0]] + [1] * (x.dim() - 1)
@@ -545,8 +550,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             # every row starts the chunk at a group border: its groups are the chunk's own, pooled by the prefill's
             # pooling kernel (k None: from k_rot, un-rotated in registers), so group-aligned chunks give the core
             # tokens of one pass bit for bit, with no gathered copies of the chunk
-            new_ck, new_cv = pool_forward(*(None if x is None else x if x.stride(-1) == 1 else x.contiguous()
-                                            for x in (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale)
+            new_ck, new_cv = pool_forward(*map(_unit_last_stride, (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale)
         else:
             new_ck, new_cv = self._pool_across(q_rot, k_rot, k, v, cos, sin, T, scale)
         p_old = T // g
