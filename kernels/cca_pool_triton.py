@@ -88,18 +88,22 @@ def _group_weights(q1, q2, kr1, kr2, row_ok, scale):
 
 
 @triton.jit
-def _pool_fwd_kernel(QR, KR, K, V, COS, SIN, KC, VC,
+def _pool_fwd_kernel(QR, KR, K, V, COS, SIN, KC, VC, START,
                      s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_cb, s_cl,
-                     P, G, n_kv, n_core, scale,
+                     L, P, G, n_kv, n_core, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_H: tl.constexpr, FROM_ROT: tl.constexpr):
+                     BLOCK_H: tl.constexpr, FROM_ROT: tl.constexpr, HAS_START: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
+    first = p * G
+    if HAS_START:  # row b's groups start at its column START[b]; a group running past the end reads the last
+        first += tl.load(START + b)  # column again (finite values in a slot no query reads)
+        rows = tl.minimum(first + (rows - p * G), L - 1)
     kr1, kr2, k1, k2, v1, v2 = _group_tiles(KR, K, V, COS, SIN, b, j, rows, i, m2, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl,
                                             s_vb, s_vh, s_vl, s_cb, s_cl, HALF, FROM_ROT)
-    mid = (p * G + G // 2) * s_cl + b * s_cb  # the core token's RoPE position
+    mid = tl.minimum(first + G // 2, L - 1) * s_cl + b * s_cb  # the core token's RoPE position
     c1, c2 = _load_halves(COS + mid + i, hm, HALF)
     s1, s2 = _load_halves(SIN + mid + i, hm, HALF)
-    q_row = QR + b * s_qb + (p * G + G - 1) * s_ql + i  # each head's last query of the group
+    q_row = QR + b * s_qb + tl.minimum(first + G - 1, L - 1) * s_ql + i  # each head's last query of the group
 
     for h in tl.static_range(1 if KV_POOL else N_REP):  # unrolled: the heads are independent
         q1, q2, eff, c = _pooling_query(q_row, s_qh, j, h, hm, scale, N_REP, KV_POOL, HALF, BLOCK_H)
@@ -203,19 +207,22 @@ def table_strides(cos):
     return (0 if shared else cos.stride(0)), cos.stride(-2)
 
 
-def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale):
+def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale, start=None):
     """``(K_core, V_core)`` shaped (B, C, L // g, d), as ``pool_core_tokens``. Inputs: last dim contiguous,
     cos/sin contiguous. Head dim must be even (RoPE). ``k`` None: the pre-RoPE keys are ``unapply_rope(k_rot)``,
-    computed in registers (never stored)."""
+    computed in registers (never stored). ``start`` (B,) int, each in [0, g): row b's groups are its columns
+    ``start_b + p*g ..`` (a chunk whose rows start at different offsets in a group); its last group may then run past
+    the end: that slot holds finite values of no meaning (forward only)."""
     meta = _meta(q_rot, v, group_size, pooling, k is None)
-    B, D = q_rot.shape[0], q_rot.shape[-1]
+    B, L, D = q_rot.shape[0], q_rot.shape[2], q_rot.shape[-1]
     kc = torch.empty((B, meta["n_core"], meta["P"], D), dtype=k_rot.dtype, device=v.device)
     vc = torch.empty(kc.shape, dtype=v.dtype, device=v.device)
     k = k_rot if k is None else k  # (FROM_ROT: never read)
     if meta["P"]:
         _pool_fwd_kernel[(B * meta["n_kv"] * meta["P"],)](
-            q_rot, k_rot, k, v, cos, sin, kc, vc, *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v),
-            *table_strides(cos), scale=scale, **meta,
+            q_rot, k_rot, k, v, cos, sin, kc, vc, kc if start is None else start.to(torch.int32),
+            *_strides(q_rot), *_strides(k_rot), *_strides(k), *_strides(v), *table_strides(cos), L,
+            scale=scale, HAS_START=start is not None, **meta,
         )
     return kc, vc
 

@@ -32,9 +32,10 @@ never pooled and never keys. ``get_seq_length()`` counts columns, pads included,
 The first call of a layer (prefill) runs the ordinary no-cache attention (Triton on CUDA) and keeps only
 the compressed state; later calls run the decode kernels (one token), or pool the groups a chunk completes into the
 core tokens and attend over those and ``[ring ++ chunk]`` (chunked prefill: the prefill's forward kernel with its
-rows at the chunk's positions on the Triton path, ``cca_chunk_attention_reference`` otherwise). On the Triton path a
-chunk that starts at a group border in every row (no padding mask so far) is pooled by the prefill's pooling kernel,
-so such chunks give one pass's numbers bit for bit.
+rows at the chunk's positions on the Triton path, ``cca_chunk_attention_reference`` otherwise). On the Triton path the
+groups that start inside a chunk are pooled by the prefill's pooling kernel, each row from its first group border in
+the chunk (so they are one pass's core tokens, bit for bit); a group that began before the chunk is pooled in torch
+from the ring. A chunk on a group border in every row (no padding mask so far) has no such group.
 
 A one-token step on the Triton path writes only in place into these tensors and reads positions from ``seen``, so
 ``decode_graph.py`` can replay it from a CUDA graph while they stay the same objects (``state_version``: assigning
@@ -519,6 +520,13 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
         return pool_core_tokens(q_al, _rows(k_rot_x, align, 2), _rows(k_x, align, 2), _rows(v_x, align, 2),
                                 _rows(cos_x, align, 1), _rows(sin_x, align, 1), g, pooling, scale)
 
+    def _store_core(self, ck, cv, first):
+        """Core tokens (B, C, n, d) of row b at its slots ``first_b ..``."""
+        self._grow_core(self.max_seen // self.config.group_size + 1 + ck.shape[2])  # (first_b <= max_seen // g + 1)
+        dest = (first[:, None] + torch.arange(ck.shape[2], device=ck.device))[:, None, :, None]
+        self.core_k.scatter_(2, dest.expand(-1, ck.shape[1], -1, ck.shape[3]), ck)
+        self.core_v.scatter_(2, dest.expand(-1, cv.shape[1], -1, cv.shape[3]), cv)
+
     def _extend(self, q, k, v, cos, sin, mask, scale, q_rot=None, k_rot=None):
         """A chunk of several tokens after a prefill: exact, from the compressed state (no full-length state kept).
         ``q_rot``/``k_rot``: q and k as the model's RoPE rotated them, used as given (``q`` may then be None)."""
@@ -545,22 +553,28 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             v.is_cuda or self.force_triton) and head_dim % 2 == 0 and head_dim <= 256 and not (
             torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, q_rot, k_rot)))
 
-        # 1. Pool the groups that complete inside the chunk.
-        if kernel and self.all_real and self.cols % g == 0:
-            # every row starts the chunk at a group border: its groups are the chunk's own, pooled by the prefill's
-            # pooling kernel (k None: from k_rot, un-rotated in registers), so group-aligned chunks give the core
-            # tokens of one pass bit for bit, with no gathered copies of the chunk
-            new_ck, new_cv = pool_forward(*map(_unit_last_stride, (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale)
+        # 1. Pool the groups that complete inside the chunk, and 2. store them: the attention reads every core token a
+        #    query sees from the cache (row b's new groups land at its own slots; slots past its complete groups hold
+        #    values no query reads, until overwritten).
+        if kernel:
+            # The groups that start inside the chunk are its own: the prefill's pooling kernel pools them straight from
+            # the chunk's q_rot/k_rot/v (k None: from k_rot, un-rotated in registers), no gathered copies. Chunks on a
+            # group border in every row (known on the host while no pass had a padding mask) are all such groups:
+            # their core tokens are one pass's, bit for bit. Otherwise the group a row's chunk finishes (it began
+            # before the chunk) is pooled in torch from the ring, and the kernel starts each row at its next border.
+            on_border = self.all_real and self.cols % g == 0
+            if not on_border:
+                m = min(q_len, g - 1)  # the columns that may finish a row's current group
+                edge = self._pool_across(q_rot[:, :, :m], k_rot[:, :, :m], None if k is None else k[:, :, :m],
+                                         v[:, :, :m], cos[:, :m], sin[:, :m], T, scale)
+                self._store_core(edge[0][:, :, :1], edge[1][:, :, :1], T // g)  # (kernel groups overwrite: below)
+            start = None if on_border else torch.remainder(-T, g).to(torch.int32)
+            new_ck, new_cv = pool_forward(*map(_unit_last_stride, (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale,
+                                          start=start)
+            self._store_core(new_ck, new_cv, torch.div(T + g - 1, g, rounding_mode="floor"))
         else:
             new_ck, new_cv = self._pool_across(q_rot, k_rot, k, v, cos, sin, T, scale)
-        p_old = T // g
-
-        # 2. Store them: the attention reads every core token a query sees from the cache (row b's new groups land
-        #    at its own slots; slots past its complete groups hold values no query reads, until overwritten).
-        self._grow_core(self.max_seen // g + new_ck.shape[2])
-        dest = p_old[:, None] + torch.arange(new_ck.shape[2], device=dev)
-        self.core_k.scatter_(2, dest[:, None, :, None].expand(-1, new_ck.shape[1], -1, head_dim), new_ck)
-        self.core_v.scatter_(2, dest[:, None, :, None].expand(-1, new_cv.shape[1], -1, head_dim), new_cv)
+            self._store_core(new_ck, new_cv, T // g)
 
         # 3. Attention: one softmax over the core tokens and the raw keys [the ring's last s + g - 1 positions (all
         #    that the chunk may see raw, in position order: the same keys with the speculative slack as without) ++

@@ -279,39 +279,58 @@ def test_bf16_chunks_pool_bit_for_bit_what_one_pass_pools():
 
 
 @torch.no_grad()
-def test_group_aligned_chunks_on_the_kernels_pool_what_one_pass_pools_straight_from_the_chunk(monkeypatch):
-    """On the kernels, a chunk that starts at a group border in every row (no padding mask so far, ``cols % g == 0``)
-    is pooled by the prefill's own pooling kernel, straight from the chunk's q_rot/k_rot/v (no gathered copies): the
-    core tokens and rings of one pass bit for bit (bf16). A chunk off the border, or after a padded pass, takes the
-    general path (the rings' g-1 positions before the chunk ++ the chunk, pooled in torch)."""
+def test_chunks_on_the_kernels_pool_their_own_groups_straight_from_the_chunk_as_one_pass_does(monkeypatch):
+    """On the kernels, the groups that start inside a chunk are pooled by the prefill's own pooling kernel, straight
+    from the chunk's q_rot/k_rot/v (no gathered copies): those core tokens equal one pass's bit for bit (bf16). A chunk
+    on a group border in every row (no padding mask so far, ``cols % g == 0``) has no other groups; off the border, or
+    in a padded batch, the group a row's chunk finishes is pooled in torch from the ring (close to one pass's) and the
+    kernel starts each row at its next border."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
     cache_mod = published.load("cache_cca")
     monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
     calls, pool = [], cache_mod.pool_forward
-    monkeypatch.setattr(cache_mod, "pool_forward", lambda *a: calls.append(a[0].shape[2]) or pool(*a))
+
+    def counted(*a, start=None):
+        calls.append((a[0].shape[2], None if start is None else start.tolist()))
+        return pool(*a, start=start)
+
+    monkeypatch.setattr(cache_mod, "pool_forward", counted)
     stock, _ = stock_and_cca("llama", g=4, s=8)
     cca = cca_hf_model_from(stock, group_size=4, local_window=8, attn_backend="triton").to(torch.bfloat16)
+    layers = cca.config.num_hidden_layers
     x = ids(bsz=2, length=64)
     one, chunked = hf.HFCCACache(cca.config), hf.HFCCACache(cca.config)
     cca.model(x, past_key_values=one, use_cache=True)
     for a, b in ((0, 24), (24, 40), (40, 47), (47, 56), (56, 64)):  # at cols 24, 40, 56: on the border; 47: off it
         cca.model(x[:, a:b], past_key_values=chunked, use_cache=True)
-    assert calls == [n for n in (16, 7, 8) for _ in range(cca.config.num_hidden_layers)]
+    assert calls == [c for c in ((16, None), (7, None), (9, [1, 1]), (8, None)) for _ in range(layers)]
     whole, parts = one.layers[0], chunked.layers[0]  # (later layers' inputs differ by the attention's rounding)
-    kernel_pooled = [*range(6, 11), 14, 15]  # groups 11-13 complete in the chunk off the border
+    kernel_pooled = [*range(6, 11), *range(12, 16)]  # group 11 (positions 44-47) began before the chunk at 47
     assert torch.equal(whole.core_k[:, :, kernel_pooled], parts.core_k[:, :, kernel_pooled])
     assert torch.equal(whole.core_v[:, :, kernel_pooled], parts.core_v[:, :, kernel_pooled])
     torch.testing.assert_close(whole.core_k[:, :, :16], parts.core_k[:, :, :16], atol=2e-2, rtol=0)
+    torch.testing.assert_close(whole.core_v[:, :, :16], parts.core_v[:, :, :16], atol=2e-2, rtol=0)
     for ring in ("win_k", "win_v", "grp_k"):
         assert torch.equal(getattr(whole, ring), getattr(parts, ring)), ring
 
+    # A padded batch: row 1 has 3 pads, so after 24 columns it has seen 21 tokens and its groups start at column 3.
     calls.clear()
-    padded, mask = hf.HFCCACache(cca.config), torch.ones_like(x)
-    mask[1, :3] = 0  # a padding mask once: a row may be off the border whatever the column count
-    for a, b in ((0, 24), (24, 40)):
-        cca.model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=padded, use_cache=True)
-    assert calls == []
+    mask = torch.ones_like(x[:, :40])
+    mask[1, :3] = 0
+    one, padded = hf.HFCCACache(cca.config), hf.HFCCACache(cca.config)
+    want = cca.model(x[:, :40], attention_mask=mask, past_key_values=one, use_cache=True).last_hidden_state
+    got = [cca.model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=padded, use_cache=True).last_hidden_state
+           for a, b in ((0, 24), (24, 40))]
+    assert calls == [(16, [0, 3])] * layers
+    whole, parts = one.layers[0], padded.layers[0]
+    for row, groups in ((0, [6, 7, 8, 9]), (1, [6, 7, 8])):  # row 1's group 5 (real tokens 20-23) began before
+        for name in ("core_k", "core_v"):
+            assert torch.equal(getattr(whole, name)[row, :, groups], getattr(parts, name)[row, :, groups]), (row, name)
+    torch.testing.assert_close(whole.core_k[:, :, :9], parts.core_k[:, :, :9], atol=2e-2, rtol=0)
+    for ring in ("win_k", "win_v", "grp_k"):
+        assert torch.equal(getattr(whole, ring), getattr(parts, ring)), ring
+    torch.testing.assert_close(got[1][mask[:, 24:].bool()], want[:, 24:][mask[:, 24:].bool()], atol=6e-2, rtol=0)
 
 
 @torch.no_grad()

@@ -176,6 +176,30 @@ def test_pooling_kernels_match_reference(B, H, Hkv, L, d, g, pooling):
 
 
 @pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize("from_rot", [False, True], ids=["k", "from-k_rot"])
+def test_pooling_from_a_start_column_per_row_pools_each_rows_own_groups(pooling, from_rot):
+    """``start``: row b's groups begin at its column start_b (a chunk whose rows sit at different offsets in a group).
+    Each row's complete groups equal ``pool_core_tokens`` of that row from start_b; a last group that runs past the
+    end is finite (its slot is never read)."""
+    B, H, Hkv, L, d, g = 3, 4, 2, 23, 80, 5
+    q, k, v, _, cos, sin = make_inputs(B, H, Hkv, L, d, seed=7, per_seq_rope=True)
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    start = torch.tensor([0, 3, 4], dtype=torch.int32, device=q.device)
+    kc, vc = pool.pool_forward(q_rot, k_rot, None if from_rot else k, v, cos, sin, g, pooling, 0.3, start=start)
+    assert kc.shape[2] == L // g and torch.isfinite(kc).all() and torch.isfinite(vc).all()
+    for b, a in enumerate(start.tolist()):
+        row = (x[b : b + 1, ..., a:, :] for x in (q_rot, k_rot, k, v))
+        want_kc, want_vc = ref.pool_core_tokens(*row, cos[b : b + 1, a:], sin[b : b + 1, a:], g, pooling, 0.3)
+        n = want_kc.shape[2]  # (L - a) // g complete groups
+        torch.testing.assert_close(kc[b : b + 1, :, :n], want_kc, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vc[b : b + 1, :, :n], want_vc, atol=1e-5, rtol=1e-5)
+    # all-zero starts are the plain pooling, bit for bit
+    zero = pool.pool_forward(q_rot, k_rot, k, v, cos, sin, g, pooling, 0.3, start=torch.zeros(B, dtype=torch.int32, device=q.device))
+    for a, b in zip(zero, pool.pool_forward(q_rot, k_rot, k, v, cos, sin, g, pooling, 0.3)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pooling", POOLING)
 def test_return_core_gives_the_pooled_tokens(pooling):
     """What a KV cache keeps after prefill: the same core tokens as the reference, with the same output."""
     q, k, v, _, cos, sin = make_inputs(2, 4, 2, 27, 64, seed=5)
