@@ -563,7 +563,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
             # their core tokens are one pass's, bit for bit. Otherwise the group a row's chunk finishes (it began
             # before the chunk) is pooled in torch from the ring, and the kernel starts each row at its next border.
             on_border = self.all_real and self.cols % g == 0
-            if not on_border:
+            if not on_border and g > 1:
                 m = min(q_len, g - 1)  # the columns that may finish a row's current group
                 edge = self._pool_across(q_rot[:, :, :m], k_rot[:, :, :m], None if k is None else k[:, :, :m],
                                          v[:, :, :m], cos[:, :m], sin[:, :m], T, scale)
