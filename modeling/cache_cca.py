@@ -567,7 +567,7 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
                 m = min(q_len, g - 1)  # the columns that may finish a row's current group
                 edge = self._pool_across(q_rot[:, :, :m], k_rot[:, :, :m], None if k is None else k[:, :, :m],
                                          v[:, :, :m], cos[:, :m], sin[:, :m], T, scale)
-                self._store_core(edge[0][:, :, :1], edge[1][:, :, :1], T // g)  # (kernel groups overwrite: below)
+                self._store_core(*edge, T // g)  # one group (m < g); on a border the kernel's group overwrites it
             start = None if on_border else torch.remainder(-T, g).to(torch.int32)
             new_ck, new_cv = pool_forward(*map(_unit_last_stride, (q_rot, k_rot, k, v, cos, sin)), g, pooling, scale,
                                           start=start)
