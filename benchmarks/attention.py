@@ -4,6 +4,8 @@ Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, 
   python benchmarks/attention.py --out benchmarks/results            # 4K .. 128K, both pooling modes
   python benchmarks/attention.py --lengths 4096,32768 --sweep        # tune Triton block configs first
   python benchmarks/attention.py --lengths 32768 --pooling kv --profile --passes fwd,fwd+bwd  # time per kernel
+  python benchmarks/attention.py --lengths 32768,131072 --pooling kv,query --rounds 3 \
+      --authors-repo ../CCA-Attention      # + the CCA authors' kernel, from a clone of their repository
 
 Conventions
 - Median of triton.testing.do_bench. "fwd" is one forward call; "fwd+bwd" is forward plus
@@ -12,6 +14,18 @@ Conventions
   attention. ``cca_rotated`` is the call a model makes: q/k as its RoPE rotated them (``q_rot``/``k_rot``, the
   pooling un-rotates k itself), the same inputs as SDPA, which runs with ``enable_gqa=True`` (no repeat_kv copy) and
   ``is_causal``. In fwd+bwd, gradients are w.r.t. each method's own inputs.
+- ``--rounds N`` times every method N times, alternating (method A, B, ..., A, B, ...), and reports each method's
+  median round: the GPU's clock drifts over a run, and alternation spreads that drift over all methods alike.
+- ``cca_authors`` (with ``--authors-repo``): the prefill path of the CCA paper's authors, imported from a clone of
+  https://github.com/chenyaofo/CCA-Attention (its code is not part of this repository):
+  ``codebase/core/cca_attn.py::pooling_attention_wo_cache`` with their ``cca`` pooling, i.e. RoPE, ``repeat_kv``
+  copies of the KV heads, torch pooling per query head, then their Triton kernel (``cca.py``) with their block
+  configs. Same pre-RoPE inputs as ``cca_triton``. Their semantics differ from CCA-SPEC.md in details (keys pooled
+  after RoPE, one pooled key per query head, like our ``query`` pooling), so compare its speed, not its numbers.
+  Their config table knows A100 and RTX 3090 only; on any other GPU it falls back to 32 x 32 tiles, one stage.
+  ``cca_authors_a100_tiles`` is the same path with the tiles their table picks on an A100 for this shape (forward
+  64 x 32, 3 stages, 8 warps; backward 64 x 64, 2 stages, 4 warps), so that the comparison does not rest on a
+  fallback: the faster of the two is the authors' number.
 - Speed-up is against the fastest SDPA backend of the same run, same pass.
 - Useful TFLOP/s counts only the score entries each method must compute: CCA n(t) core tokens plus
   the raw keys [n(t)*g, t] per query (causal attention: t+1 keys); 4*d flops per entry forward
@@ -21,8 +35,10 @@ Conventions
 """
 
 import argparse
+import contextlib
 import csv
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -57,8 +73,9 @@ def rope_tables(L, d, device, dtype, base=500000.0):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def measure(fn, warmup, rep):
-    """(median ms, peak extra GiB); NaN on OOM."""
+def measure(fn, warmup, rep, foreign=False):
+    """(median ms, peak extra GiB); NaN on OOM, and on any error of a ``foreign`` method (the authors' code has shape
+    limits of its own: its reason is printed, and the other methods still run)."""
     try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -72,6 +89,55 @@ def measure(fn, warmup, rep):
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return float("nan"), float("nan")
+    except Exception as e:
+        if not foreign:
+            raise
+        print(f"  (not timed: {type(e).__name__}: {e})", flush=True)
+        return float("nan"), float("nan")
+
+
+AUTHORS_MODULE = "codebase/core/cca_attn.py"
+
+
+# Their get_fwd_config / get_bwd_config on capability (8, 0), causal, head_dim 128, more than 1024 queries:
+# (BLOCK_M, BLOCK_N, num_stages, num_warps). Their code invites replacing these functions at runtime.
+AUTHORS_A100_TILES = {"get_fwd_config": (64, 32, 3, 8), "get_bwd_config": (64, 64, 2, 4)}
+
+
+@contextlib.contextmanager
+def authors_tiles(name):
+    """While ``cca_authors_a100_tiles`` is timed (forward and backward), the authors' kernel takes their A100 tiles."""
+    if name != "cca_authors_a100_tiles":
+        yield
+        return
+    kernel = sys.modules["codebase.core.cca"]
+    saved = {fn: getattr(kernel, fn) for fn in AUTHORS_A100_TILES}
+    for fn, tiles in AUTHORS_A100_TILES.items():
+        setattr(kernel, fn, lambda *shape, tiles=tiles: tiles)
+    try:
+        yield
+    finally:
+        for fn, original in saved.items():
+            setattr(kernel, fn, original)
+
+
+def load_authors(repo: Path):
+    """The authors' prefill path from a clone of their repository (see the module docstring)."""
+    import importlib
+
+    sys.path.insert(0, str(repo.resolve()))
+    mod = importlib.import_module("codebase.core.cca_attn")
+    mod.pooling_func = "cca"  # their replace_attn_forward() sets it, and patches transformers classes we do not use
+    return mod
+
+
+def median_and_spread(times):
+    """Median of a method's rounds and their spread, (max - min) / median in percent; NaN rounds (OOM) left out."""
+    ok = [t for t in times if not math.isnan(t)]
+    if not ok:
+        return float("nan"), float("nan")
+    med = statistics.median(ok)
+    return med, 100.0 * (max(ok) - min(ok)) / med
 
 
 def make_methods(L, args, q, k, v, cos, sin, do):
@@ -92,6 +158,12 @@ def make_methods(L, args, q, k, v, cos, sin, do):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(x, y, z, is_causal=True, enable_gqa=True)
         methods[name] = (sdpa, (q_rot, k_rot, v), "causal")
+    if args.authors is not None:
+        n_rep = q.shape[1] // k.shape[1]
+        authors = (lambda x, y, z: args.authors.pooling_attention_wo_cache(x, y, z, g, s, 0.0, n_rep, 0, None,
+                                                                             cos[None], sin[None]))
+        methods["cca_authors"] = (authors, (q, k, v), "cca")
+        methods["cca_authors_a100_tiles"] = (authors, (q, k, v), "cca")
     return methods
 
 
@@ -183,7 +255,20 @@ def main():
                     help="the kernels whose configs --sweep times (default: all)")
     ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each CCA Triton call, per pass")
+    ap.add_argument("--rounds", type=int, default=1, help="time the methods this many times, alternating; report "
+                    "each method's median round")
+    ap.add_argument("--authors-repo", type=Path, default=None,
+                    help="a clone of https://github.com/chenyaofo/CCA-Attention: adds the CCA authors' kernel path "
+                         "as cca_authors")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    args.authors = None
+    if args.authors_repo is not None:
+        if not (args.authors_repo / AUTHORS_MODULE).is_file():
+            ap.error(f"--authors-repo {args.authors_repo}: no {AUTHORS_MODULE} there; clone the authors' code with "
+                     "`git clone https://github.com/chenyaofo/CCA-Attention` and pass that folder")
+        args.authors = load_authors(args.authors_repo)
     args.pooling = args.pooling.split(",")
     args.sweep_kernels = args.sweep_kernels.split(",")
     unknown = set(args.sweep_kernels) - set(tri._CONFIGS["hopper"])
@@ -221,30 +306,45 @@ def main():
         for pname in passes:
             backward = pname == "fwd+bwd"
             flops_per_entry = (14 if backward else 4) * d
+            times = {name: [] for name in methods}
+            peaks = {}
+            for rnd in range(args.rounds):
+                for name, (fn, xs, kind) in methods.items():
+                    with authors_tiles(name):
+                        ms, peak = measure(run_pass(fn, xs, do, backward), args.warmup, args.rep,
+                                           name.startswith("cca_authors"))
+                    times[name].append(ms)
+                    peaks.setdefault(name, peak)
+                    print(f"  L={L:6d} {pname:7s} {name:24s} round {rnd + 1}: {ms:9.3f} ms  peak {peak:7.2f} GiB",
+                          flush=True)
             res = {}
             for name, (fn, xs, kind) in methods.items():
-                ms, peak = measure(run_pass(fn, xs, do, backward), args.warmup, args.rep)
-                res[name] = (ms, peak, entries[kind] * H * flops_per_entry / (ms * 1e-3) / 1e12)
-                print(f"  L={L:6d} {pname:7s} {name:20s} {ms:9.3f} ms  peak {peak:7.2f} GiB", flush=True)
+                ms, spread = median_and_spread(times[name])
+                res[name] = (ms, peaks[name], entries[kind] * H * flops_per_entry / (ms * 1e-3) / 1e12, spread)
             best_sdpa = min(res[n][0] for n in res if n.startswith("sdpa") and not math.isnan(res[n][0]))
-            for name, (ms, peak, tflops) in res.items():
-                rows.append(dict(L=L, pass_=pname, method=name, ms=ms, speedup=best_sdpa / ms, tflops=tflops, peak_gib=peak))
+            for name, (ms, peak, tflops, spread) in res.items():
+                rows.append(dict(L=L, pass_=pname, method=name, ms=ms, speedup=best_sdpa / ms, tflops=tflops,
+                                 peak_gib=peak, spread=spread))
         del q, k, v, do, methods
         torch.cuda.empty_cache()
 
-    header = f"{'L':>7} {'pass':7} {'method':20} {'ms':>9} {'x best SDPA':>11} {'TFLOP/s':>8} {'peak GiB':>9}"
-    print("\n" + header + "\n" + "-" * len(header))
+    spread = args.rounds > 1  # the rounds' (max - min) / median, in percent
+    header = (f"{'L':>7} {'pass':7} {'method':24} {'ms':>9} {'x best SDPA':>11} {'TFLOP/s':>8} {'peak GiB':>9}"
+              + (f" {'spread %':>8}" if spread else ""))
+    print(f"\n{args.rounds} round(s), median shown\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['L']:>7} {r['pass_']:7} {r['method']:20} {r['ms']:9.3f} {r['speedup']:11.2f} {r['tflops']:8.1f} {r['peak_gib']:9.2f}")
+        print(f"{r['L']:>7} {r['pass_']:7} {r['method']:24} {r['ms']:9.3f} {r['speedup']:11.2f} {r['tflops']:8.1f} "
+              f"{r['peak_gib']:9.2f}" + (f" {r['spread']:8.1f}" if spread else ""))
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "attention.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["L", "pass", "method", "ms", "speedup_vs_best_sdpa", "useful_tflops", "peak_gib"])
+            w.writerow(["L", "pass", "method", "ms", "speedup_vs_best_sdpa", "useful_tflops", "peak_gib", "rounds",
+                        "spread_pct"])
             for r in rows:
                 w.writerow([r["L"], r["pass_"], r["method"], f"{r['ms']:.4f}", f"{r['speedup']:.3f}",
-                            f"{r['tflops']:.1f}", f"{r['peak_gib']:.3f}"])
+                            f"{r['tflops']:.1f}", f"{r['peak_gib']:.3f}", args.rounds, f"{r['spread']:.1f}"])
         plot(rows, passes, args.out / "attention.png")
         print(f"wrote {args.out / 'attention.csv'} and {args.out / 'attention.png'}")
 

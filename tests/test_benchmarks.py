@@ -1,6 +1,8 @@
 """The benchmark scripts run (on a tiny model, CPU): they are what the results tables come from."""
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,29 @@ def test_attention_benchmark_refuses_an_unknown_sweep_kernel():
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 2
     assert "unknown kernel(s) ['dkvd']" in proc.stderr and "dkdv_raw" in proc.stderr
+
+
+def test_attention_benchmark_refuses_a_folder_without_the_authors_code_and_zero_rounds(tmp_path):
+    """``--authors-repo`` must hold the authors' ``codebase/core/cca_attn.py`` and ``--rounds`` be >= 1: both fail
+    before anything runs, naming the fix (no GPU needed)."""
+    script = str(REPO / "benchmarks" / "attention.py")
+    proc = subprocess.run([sys.executable, script, "--authors-repo", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert "no codebase/core/cca_attn.py there" in proc.stderr
+    assert "git clone https://github.com/chenyaofo/CCA-Attention" in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--rounds", "0"], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 2 and "--rounds must be at least 1, got 0" in proc.stderr
+
+
+def test_attention_benchmark_median_and_spread_leave_out_failed_rounds():
+    spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "attention.py")
+    attention = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attention)
+    assert attention.median_and_spread([2.0, float("nan"), 4.0, 3.0]) == (3.0, 100.0 * 2.0 / 3.0)
+    ms, spread = attention.median_and_spread([float("nan")])
+    assert math.isnan(ms) and math.isnan(spread)
 
 
 def test_speculative_benchmark_compares_drafts_with_greedy(tmp_path):
