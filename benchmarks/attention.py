@@ -22,6 +22,7 @@ Conventions
   copies of the KV heads, torch pooling per query head, then their Triton kernel (``cca.py``) with their block
   configs. Same pre-RoPE inputs as ``cca_triton``. Their semantics differ from CCA-SPEC.md in details (keys pooled
   after RoPE, one pooled key per query head, like our ``query`` pooling), so compare its speed, not its numbers.
+  ``--check`` compares their kernel with their own dense semantics (``generate_mask`` + SDPA), output and gradients.
   Their config table knows A100 and RTX 3090 only; on any other GPU it falls back to 32 x 32 tiles, one stage.
   ``cca_authors_a100_tiles`` is the same path with the tiles their table picks on an A100 for this shape (forward
   64 x 32, 3 stages, 8 warps; backward 64 x 64, 2 stages, 4 warps), so that the comparison does not rest on a
@@ -119,6 +120,38 @@ def authors_tiles(name):
     finally:
         for fn, original in saved.items():
             setattr(kernel, fn, original)
+
+
+def check_authors(args, L, q, k, v, cos, sin, do):
+    """Their kernel against their own dense semantics (``generate_mask`` + fp32 SDPA) on the keys and values their
+    path builds, output and gradients, with both tile sets: the timed path computes what its authors meant."""
+    kernel = sys.modules["codebase.core.cca"]
+    seen = []
+
+    def spy(Q, K, V, **kw):  # the attention call of their path, inputs kept
+        seen.append((Q.detach(), K.detach(), V.detach(), kw))
+        return kernel.cca_attention_v2(Q, K, V, **kw)
+
+    args.authors.cca_attention_v2 = spy
+    try:
+        args.authors.pooling_attention_wo_cache(q, k, v, args.group_size, args.local_window, 0.0,
+                                                q.shape[1] // k.shape[1], 0, None, cos[None], sin[None])
+    finally:
+        args.authors.cca_attention_v2 = kernel.cca_attention_v2
+    Q, K, V, kw = seen[0]
+    mask = args.authors.generate_mask(L, args.group_size, K.shape[2] - L, args.local_window, device=q.device,
+                                      dtype=torch.float32)
+    dense_in = [x.float().requires_grad_() for x in (Q, K, V)]
+    dense = F.scaled_dot_product_attention(*dense_in, attn_mask=mask)
+    dense_grads = torch.autograd.grad(dense, dense_in, do.float())
+    for name in ("cca_authors", "cca_authors_a100_tiles"):
+        with authors_tiles(name):
+            ins = [x.clone().requires_grad_() for x in (Q, K, V)]
+            out = kernel.cca_attention_v2(*ins, **kw)
+            grads = torch.autograd.grad(out, ins, do)
+        errs = [((a.float() - b).norm() / b.norm()).item() for a, b in zip((out, *grads), (dense, *dense_grads))]
+        print(f"check L={L} {name} against their dense path: rel err out {errs[0]:.2e}, dQ {errs[1]:.2e}, "
+              f"dK {errs[2]:.2e}, dV {errs[3]:.2e}", flush=True)
 
 
 def load_authors(repo: Path):
@@ -253,7 +286,8 @@ def main():
     ap.add_argument("--sweep-length", type=int, default=32768)
     ap.add_argument("--sweep-kernels", default=",".join(tri._CONFIGS["hopper"]),
                     help="the kernels whose configs --sweep times (default: all)")
-    ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max")
+    ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max (with --authors-repo, also their kernel "
+                         "vs their dense path)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each CCA Triton call, per pass")
     ap.add_argument("--rounds", type=int, default=1, help="time the methods this many times, alternating; report "
                     "each method's median round")
@@ -297,6 +331,8 @@ def main():
                 a = tri.cca_attention_triton(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
                 b = ref.cca_attention_reference(q, k, v, cos, sin, args.group_size, args.local_window, p).float()
                 print(f"check L={L} {p}: rel err {((a - b).norm() / b.norm()).item():.2e}", flush=True)
+            if args.authors is not None:
+                check_authors(args, L, q, k, v, cos, sin, do)
         if args.profile:
             for name, (fn, xs, kind) in methods.items():
                 if name.startswith("cca_triton"):
