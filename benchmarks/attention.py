@@ -286,7 +286,8 @@ def main():
     ap.add_argument("--sweep-length", type=int, default=32768)
     ap.add_argument("--sweep-kernels", default=",".join(tri._CONFIGS["hopper"]),
                     help="the kernels whose configs --sweep times (default: all)")
-    ap.add_argument("--check", action="store_true", help="check Triton vs reference output at L <= ref-max (with --authors-repo, also their kernel "
+    ap.add_argument("--check", action="store_true",
+                    help="check Triton vs reference output at L <= ref-max (with --authors-repo, also their kernel "
                          "vs their dense path)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each CCA Triton call, per pass")
     ap.add_argument("--rounds", type=int, default=1, help="time the methods this many times, alternating; report "
