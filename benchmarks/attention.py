@@ -122,6 +122,12 @@ def authors_tiles(name):
             setattr(kernel, fn, original)
 
 
+def authors_call(args, q, k, v, cos, sin):
+    """Their path on pre-RoPE q/k/v with (L, d) tables; their ``apply_rotary_pos_emb`` takes (B, L, d) ones."""
+    return args.authors.pooling_attention_wo_cache(q, k, v, args.group_size, args.local_window, 0.0,
+                                                   q.shape[1] // k.shape[1], 0, None, cos[None], sin[None])
+
+
 def check_authors(args, L, q, k, v, cos, sin, do):
     """Their kernel against their own dense semantics (``generate_mask`` + fp32 SDPA) on the keys and values their
     path builds, output and gradients, with both tile sets: the timed path computes what its authors meant."""
@@ -134,8 +140,7 @@ def check_authors(args, L, q, k, v, cos, sin, do):
 
     args.authors.cca_attention_v2 = spy
     try:
-        args.authors.pooling_attention_wo_cache(q, k, v, args.group_size, args.local_window, 0.0,
-                                                q.shape[1] // k.shape[1], 0, None, cos[None], sin[None])
+        authors_call(args, q, k, v, cos, sin)
     finally:
         args.authors.cca_attention_v2 = kernel.cca_attention_v2
     Q, K, V, kw = seen[0]
@@ -192,9 +197,7 @@ def make_methods(L, args, q, k, v, cos, sin, do):
                 return F.scaled_dot_product_attention(x, y, z, is_causal=True, enable_gqa=True)
         methods[name] = (sdpa, (q_rot, k_rot, v), "causal")
     if args.authors is not None:
-        n_rep = q.shape[1] // k.shape[1]
-        authors = (lambda x, y, z: args.authors.pooling_attention_wo_cache(x, y, z, g, s, 0.0, n_rep, 0, None,
-                                                                             cos[None], sin[None]))
+        authors = lambda x, y, z: authors_call(args, x, y, z, cos, sin)  # noqa: E731
         methods["cca_authors"] = (authors, (q, k, v), "cca")
         methods["cca_authors_a100_tiles"] = (authors, (q, k, v), "cca")
     return methods

@@ -6,6 +6,9 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,10 +69,47 @@ def test_attention_benchmark_refuses_a_folder_without_the_authors_code_and_zero_
     assert proc.returncode == 2 and "--rounds must be at least 1, got 0" in proc.stderr
 
 
-def test_attention_benchmark_median_and_spread_leave_out_failed_rounds():
+def test_attention_benchmark_calls_the_authors_path_as_their_attention_layer_does(tmp_path, monkeypatch):
+    """``cca_authors`` calls ``pooling_attention_wo_cache`` of the clone it is given with pre-RoPE q/k/v, the recipe's
+    g and s, no dropout, the GQA ratio, no cache and (1, L, d) tables, after selecting their ``cca`` pooling."""
+    core = tmp_path / "codebase" / "core"
+    core.mkdir(parents=True)
+    (core / "cca_attn.py").write_text(
+        "calls = []\n"
+        "def pooling_attention_wo_cache(*args):\n"
+        "    calls.append((pooling_func, args))\n"
+        "    return args[0]\n")
+    attention = _attention_benchmark()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "codebase" or m.startswith("codebase.")]:
+        monkeypatch.delitem(sys.modules, name)
+    mod = attention.load_authors(tmp_path)
+    args = SimpleNamespace(group_size=4, local_window=8, pooling=["kv"], ref_max=0, authors=mod)
+    L, d = 12, 16
+    q, k, v = torch.randn(1, 6, L, d), torch.randn(1, 2, L, d), torch.randn(1, 2, L, d)
+    cos, sin = attention.rope_tables(L, d, "cpu", torch.float32)
+    methods = attention.make_methods(L, args, q, k, v, cos, sin, None)
+    for name in ("cca_authors", "cca_authors_a100_tiles"):
+        fn, inputs, kind = methods[name]
+        assert fn(*inputs) is q and kind == "cca"
+    assert len(mod.calls) == 2
+    pooling_func, call = mod.calls[0]
+    assert pooling_func == "cca"
+    assert call[0] is q and call[1] is k and call[2] is v and call[3:9] == (4, 8, 0.0, 3, 0, None)
+    assert torch.equal(call[9], cos[None]) and torch.equal(call[10], sin[None])
+    for name in [m for m in sys.modules if m == "codebase" or m.startswith("codebase.")]:
+        del sys.modules[name]
+
+
+def _attention_benchmark():
     spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "attention.py")
     attention = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(attention)
+    return attention
+
+
+def test_attention_benchmark_median_and_spread_leave_out_failed_rounds():
+    attention = _attention_benchmark()
     assert attention.median_and_spread([2.0, float("nan"), 4.0, 3.0]) == (3.0, 100.0 * 2.0 / 3.0)
     ms, spread = attention.median_and_spread([float("nan")])
     assert math.isnan(ms) and math.isnan(spread)
