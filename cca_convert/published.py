@@ -35,6 +35,7 @@ METHOD_FILES = {
         "decode_graph.py": MODELING_DIR,
         "cca_reference.py": KERNELS_DIR,
         "cca_triton.py": KERNELS_DIR,
+        "cca_gluon.py": KERNELS_DIR,
         "cca_pool_triton.py": KERNELS_DIR,
         "cca_decode_triton.py": KERNELS_DIR,
         "skinny_triton.py": KERNELS_DIR,

@@ -24,6 +24,11 @@ from .cca_pool_triton import pool_backward, pool_forward, table_strides
 from .cca_reference import check_args, check_chunk_args, check_given
 from .tma import descriptors, use_tma as _use_tma
 
+try:  # the Hopper forward (Gluon: triton >= 3.6); without it the Triton forward serves every GPU
+    from . import cca_gluon
+except ImportError:
+    cca_gluon = None
+
 _LOG2E = 1.4426950408889634
 
 
@@ -505,7 +510,15 @@ class _Dims:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0):
+def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gluon=None):
+    if use_gluon is None:  # default: the Gluon kernel wherever it applies (whole sequences on a Hopper GPU, TMA on)
+        use_gluon = (cca_gluon is not None and q_pos is None and use_tma is not False
+                     and cca_gluon.applies(q, k, v, kc, vc, dims.block_d))
+    elif use_gluon and (cca_gluon is None or q_pos is not None or not cca_gluon.applies(q, k, v, kc, vc, dims.block_d)):
+        raise ValueError("use_gluon=True needs triton's Gluon, whole sequences, a Hopper (sm_90) GPU, 16-bit inputs, "
+                         "head_dim <= 128 and TMA-aligned keys/values")
+    if use_gluon:
+        return cca_gluon.forward(q, k, v, kc, vc, dims)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)
@@ -579,12 +592,12 @@ class _CCAAttentionFn(torch.autograd.Function):
     of the gradient back into dk_rot."""
 
     @staticmethod
-    def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale, use_tma):
+    def forward(ctx, q, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale, use_tma, use_gluon):
         q, k_rot, k, v = (None if x is None else _last_dim_contiguous(x) for x in (q, k_rot, k, v))
         cos, sin = cos.contiguous(), sin.contiguous()
         kc, vc = pool_forward(q, k_rot, k, v, cos, sin, group_size, pooling, scale)
         dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
-        o, lse = _forward(q, k_rot, v, kc, vc, dims, use_tma)
+        o, lse = _forward(q, k_rot, v, kc, vc, dims, use_tma, use_gluon=use_gluon)
         ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
         ctx.dims, ctx.pooling = dims, pooling
         ctx.mark_non_differentiable(kc, vc)  # returned for KV caches only
@@ -596,7 +609,7 @@ class _CCAAttentionFn(torch.autograd.Function):
         dims = ctx.dims
         dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims)
         dk = pool_backward(dkc, dvc, q, k_rot, k, v, cos, sin, dq, dk_rot, dv, dims.G, ctx.pooling, dims.sm_scale)
-        return dq, dk_rot, dk, dv, None, None, None, None, None, None, None
+        return dq, dk_rot, dk, dv, None, None, None, None, None, None, None, None
 
 
 def cca_attention_triton(
@@ -613,6 +626,7 @@ def cca_attention_triton(
     use_tma: bool | None = None,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
+    use_gluon: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
@@ -624,6 +638,8 @@ def cca_attention_triton(
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
     ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
     registers), so a model that rotated both needs no pass to undo its RoPE.
+    ``use_gluon``: the forward runs ``cca_gluon``'s warp-specialized kernel (default: on a Hopper GPU with TMA on);
+    False: the Triton forward kernel. The backward is the same either way.
     """
     check_args(group_size, local_window, pooling)
     check_given(q, k, q_rot, k_rot)
@@ -638,7 +654,7 @@ def cca_attention_triton(
     q_rot = _RopeFn.apply(q, cos, sin) if q_rot is None else q_rot
     k_rot = _RopeFn.apply(k, cos, sin) if k_rot is None else k_rot
     out, k_core, v_core = _CCAAttentionFn.apply(q_rot, k_rot, k, v, cos, sin, group_size, local_window, pooling, scale,
-                                                use_tma)
+                                                use_tma, use_gluon)
     return (out, k_core, v_core) if return_core else out
 
 

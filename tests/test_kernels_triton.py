@@ -74,10 +74,10 @@ def _rotated_only(fn):
     return call
 
 
-def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, use_tma=None, prerotated=False, **kw):
+def check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=0, use_tma=None, prerotated=False, use_gluon=None, **kw):
     """``prerotated``: True, q/k rotated with the pre-RoPE k beside them; "only", no pre-RoPE k (``_rotated_only``)."""
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed, **kw)
-    kernel = functools.partial(tri.cca_attention_triton, use_tma=use_tma)
+    kernel = functools.partial(tri.cca_attention_triton, use_tma=use_tma, use_gluon=use_gluon)
     kernel = {True: _prerotated, "only": _rotated_only}[prerotated](kernel) if prerotated else kernel
     got = run(kernel, q, k, v, do, cos, sin, g, s, pooling, dtype)
     want = run(ref.cca_attention_reference, q, k, v, do, cos, sin, g, s, pooling, torch.float32)
@@ -274,6 +274,15 @@ def test_unapply_rope_inverts_scaled_tables():
     torch.testing.assert_close(ref.unapply_rope(ref.apply_rope(x, cos, sin), cos, sin).double(), x, atol=1e-6, rtol=0)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors; the GPU side is test_gpu_hopper_runs_the_gluon_forward_by_default")
+def test_gluon_forward_asked_for_where_it_cannot_run_is_an_error():
+    q, k, v, do, cos, sin = make_inputs(1, 4, 1, 40, 32, 0)
+    with pytest.raises(ValueError, match="use_gluon=True needs .*Hopper"):
+        tri.cca_attention_triton(q, k, v, cos, sin, 4, 6, use_gluon=True)
+    out = tri.cca_attention_triton(q, k, v, cos, sin, 4, 6, use_gluon=False)
+    torch.testing.assert_close(out, tri.cca_attention_triton(q, k, v, cos, sin, 4, 6), atol=0, rtol=0)
+
+
 def test_no_grad_and_bad_args():
     q, k, v, _, cos, sin = make_inputs(1, 2, 1, 9, 64, seed=4)
     with torch.no_grad():
@@ -415,6 +424,63 @@ def test_gpu_qwen_like_heads():
     """r = 7 (Qwen2.5-7B: 28 query heads, 4 KV heads), s not a multiple of g."""
     check(1, 14, 2, 3000, 128, 16, 500, "kv", torch.bfloat16, seed=7)
     check(1, 14, 2, 3000, 128, 16, 500, "query", torch.bfloat16, seed=8)
+
+
+GLUON_ONLY = "the Gluon forward serves sm_90 GPUs with triton 3.6 (cca_gluon.VERIFIED_TRITON)"
+
+
+def gluon_forward_serves_this_gpu():
+    import triton
+
+    return (tri.cca_gluon is not None and HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+            and triton.__version__.startswith(tri.cca_gluon.VERIFIED_TRITON + "."))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_hopper_runs_the_gluon_forward_by_default():
+    """On an sm_90 GPU with the verified triton, the default forward is the Gluon kernel (not a silent fallback from
+    a failed import); elsewhere asking for it is a clear error."""
+    q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
+    cos, sin = (x.to(torch.bfloat16) for x in rope_tables(300, 128))
+    if not gluon_forward_serves_this_gpu():
+        with pytest.raises(ValueError, match="use_gluon=True needs"):
+            tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True)
+        pytest.skip(GLUON_ONLY)
+    kc = torch.zeros(1, 2, 300 // 16, 128, device="cuda", dtype=torch.bfloat16)
+    assert tri.cca_gluon.applies(q, k, v, kc, kc.clone(), 128)
+    calls = []
+    real = tri.cca_gluon.forward
+    try:
+        tri.cca_gluon.forward = lambda *a: calls.append(1) or real(*a)
+        default = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100)
+    finally:
+        tri.cca_gluon.forward = real
+    assert calls == [1]
+    triton_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=False)
+    torch.testing.assert_close(default, triton_fwd, atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pooling", POOLING)
+@pytest.mark.parametrize(
+    "B,H,Hkv,L,d,g,s,dtype,kw",
+    [pytest.param(2, 8, 2, 4097, 128, 16, 100, torch.bfloat16, {}, id="gqa4-hd128-b2"),
+     pytest.param(1, 10, 2, 3001, 64, 16, 500, torch.bfloat16, {}, id="gqa5-hd64"),
+     pytest.param(1, 14, 2, 2000, 80, 16, 300, torch.bfloat16, {"transposed": True}, id="gqa7-hd80-strided"),
+     pytest.param(2, 4, 4, 1000, 128, 16, 100, torch.float16, {"per_seq_rope": True}, id="mha-fp16"),
+     pytest.param(1, 4, 1, 37, 128, 4, 6, torch.bfloat16, {}, id="short-g4"),
+     pytest.param(1, 8, 2, 1, 128, 16, 100, torch.bfloat16, {}, id="one-token")],
+)
+def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
+    """The warp-specialized forward (and the Triton backward on its logsumexp) against the reference: GQA 1/4/5/7,
+    head dims 64/80/128, lengths off every tile and group size, batch 2, strided inputs, fp16."""
+    if not gluon_forward_serves_this_gpu():
+        pytest.skip(GLUON_ONLY)
+    check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=L + d, use_gluon=True, **kw)
+    check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=L + d, use_gluon=True, prerotated="only", **kw)
 
 
 @pytest.mark.gpu
