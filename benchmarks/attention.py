@@ -13,9 +13,9 @@ Conventions
 - ``cca_triton`` timings are the whole ``cca_attention_triton`` call on pre-RoPE q/k: RoPE + pooling + fused
   attention. ``cca_rotated`` is the call a model makes: q/k as its RoPE rotated them (``q_rot``/``k_rot``, the
   pooling un-rotates k itself), the same inputs as SDPA, which runs with ``enable_gqa=True`` (no repeat_kv copy) and
-  ``is_causal``. In fwd+bwd, gradients are w.r.t. each method's own inputs. On a Hopper GPU both run the forward in
-  ``cca_gluon``'s warp-specialized kernel; ``cca_rotated_tl`` is ``cca_rotated`` with the Triton forward kernel
-  (``use_gluon=False``, what other GPUs run), side by side.
+  ``is_causal``. In fwd+bwd, gradients are w.r.t. each method's own inputs. ``cca_rotated_gl`` (where it applies: a
+  Hopper GPU, triton 3.6) is ``cca_rotated`` with the forward in ``cca_gluon``'s warp-specialized kernel
+  (``use_gluon=True``, opt-in), same backward.
 - ``--rounds N`` times every method N times, alternating (method A, B, ..., A, B, ...), and reports each method's
   median round: the GPU's clock drifts over a run, and alternation spreads that drift over all methods alike.
 - ``cca_authors`` (with ``--authors-repo``): the prefill path of the CCA paper's authors, imported from a clone of
@@ -183,6 +183,7 @@ def median_and_spread(times):
 def make_methods(L, args, q, k, v, cos, sin, do):
     g, s = args.group_size, args.local_window
     q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    gluon_forward = tri.cca_gluon is not None and tri.cca_gluon.applies(q, k, v, k, v, q.shape[-1])
     methods = {}
     for pooling in args.pooling:
         methods[f"cca_triton[{pooling}]"] = (
@@ -190,9 +191,10 @@ def make_methods(L, args, q, k, v, cos, sin, do):
         methods[f"cca_rotated[{pooling}]"] = (
             lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x, k_rot=y),
             (q_rot, k_rot, v), "cca")
-        methods[f"cca_rotated_tl[{pooling}]"] = (
-            lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x, k_rot=y,
-                                                                use_gluon=False), (q_rot, k_rot, v), "cca")
+        if gluon_forward:
+            methods[f"cca_rotated_gl[{pooling}]"] = (
+                lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x,
+                                                                    k_rot=y, use_gluon=True), (q_rot, k_rot, v), "cca")
         if L <= args.ref_max:
             methods[f"cca_reference[{pooling}]"] = (
                 lambda x, y, z, p=pooling: ref.cca_attention_reference(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")

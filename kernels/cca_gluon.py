@@ -13,7 +13,7 @@ One program owns 2 x BMP positions of one core head and runs three partitions:
 Triton's own pipeliner does neither on Hopper (its ``warp_specialize`` fails to compile on the CCA kernel or falls
 back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 507 for the Triton loop
 (``benchmarks/results/attention-h200-kv.md``). Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernel,
-and the GPU tests hold this one to the reference.
+and the GPU tests hold this one to the reference. Opt-in (``use_gluon=True``): see ``cca_triton._forward``.
 """
 
 import torch

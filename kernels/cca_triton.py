@@ -510,11 +510,11 @@ class _Dims:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gluon=None):
-    if use_gluon is None:  # default: the Gluon kernel wherever it applies (whole sequences on a Hopper GPU, TMA on)
-        use_gluon = (cca_gluon is not None and q_pos is None and use_tma is not False
-                     and cca_gluon.applies(q, k, v, kc, vc, dims.block_d))
-    elif use_gluon and (cca_gluon is None or q_pos is not None or not cca_gluon.applies(q, k, v, kc, vc, dims.block_d)):
+def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gluon=False):
+    # Opt-in: a model-level check (tests/test_model_training.py, qwen2 + LoRA, bf16) put one gradient at 5.51e-2 against
+    # a limit of 5.08e-2 with it (3.70e-2 with the Triton forward; another gradient the other way round, 3.37e-2 against
+    # 4.62e-2). Until that is understood, the Triton forward stays the default.
+    if use_gluon and (cca_gluon is None or q_pos is not None or not cca_gluon.applies(q, k, v, kc, vc, dims.block_d)):
         raise ValueError("use_gluon=True needs triton's Gluon, whole sequences, a Hopper (sm_90) GPU, 16-bit inputs, "
                          "head_dim <= 128 and TMA-aligned keys/values")
     if use_gluon:
@@ -626,7 +626,7 @@ def cca_attention_triton(
     use_tma: bool | None = None,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
-    use_gluon: bool | None = None,
+    use_gluon: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
@@ -638,8 +638,8 @@ def cca_attention_triton(
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
     ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
     registers), so a model that rotated both needs no pass to undo its RoPE.
-    ``use_gluon``: the forward runs ``cca_gluon``'s warp-specialized kernel (default: on a Hopper GPU with TMA on);
-    False: the Triton forward kernel. The backward is the same either way.
+    ``use_gluon``: True runs the forward in ``cca_gluon``'s warp-specialized kernel (a Hopper GPU, triton 3.6; opt-in
+    for now, see ``_forward``); the backward is the same either way.
     """
     check_args(group_size, local_window, pooling)
     check_given(q, k, q_rot, k_rot)
