@@ -237,13 +237,11 @@ def applies(q, k, v, kc, vc, block_d: int) -> bool:
     return tma_ok(k, v, *(x for x in (kc, vc) if x.numel()))
 
 
-def forward(q, k, v, kc, vc, dims):
-    """CCA forward of whole sequences: (o, base-2 logsumexp), as ``cca_triton._forward``."""
+def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks):
+    """CCA forward of whole sequences: (o, base-2 logsumexp), as ``cca_triton._forward``; ``hp``, ``bmp``,
+    ``n_chunks``: the stacking of query heads into BLOCK_M rows (``cca_triton._stack``)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
-    hp = max(1, min(dims.n_stack, BLOCK_M.value // 16))
-    bmp = BLOCK_M.value // hp
-    n_chunks = triton.cdiv(dims.n_stack, hp)
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     box = [1, 1, BLOCK_N, dims.block_d]
     layout = gl.NVMMASharedLayout.get_default_for(box, dtype)

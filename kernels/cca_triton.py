@@ -514,11 +514,12 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     # Opt-in: a model-level check (tests/test_model_training.py, qwen2 + LoRA, bf16) put one gradient at 5.51e-2 against
     # a limit of 5.08e-2 with it (3.70e-2 with the Triton forward; another gradient the other way round, 3.37e-2 against
     # 4.62e-2). Until that is understood, the Triton forward stays the default.
-    if use_gluon and (cca_gluon is None or q_pos is not None or not cca_gluon.applies(q, k, v, kc, vc, dims.block_d)):
+    if use_gluon and (cca_gluon is None or q_pos is not None or use_tma is False
+                      or not cca_gluon.applies(q, k, v, kc, vc, dims.block_d)):
         raise ValueError("use_gluon=True needs triton's Gluon, whole sequences, a Hopper (sm_90) GPU, 16-bit inputs, "
-                         "head_dim <= 128 and TMA-aligned keys/values")
+                         "head_dim <= 128 and TMA-aligned keys/values (its tiles come by TMA: not with use_tma=False)")
     if use_gluon:
-        return cca_gluon.forward(q, k, v, kc, vc, dims)
+        return cca_gluon.forward(q, k, v, kc, vc, dims, *_stack(dims.n_stack, cca_gluon.BLOCK_M.value))
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)

@@ -458,6 +458,8 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
         tri.cca_gluon.forward = real
     assert calls == [1]
     torch.testing.assert_close(gluon_fwd, triton_fwd, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="not with use_tma=False"):
+        tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True, use_tma=False)
 
 
 @pytest.mark.gpu
