@@ -20,8 +20,11 @@ def test_published_files_import_only_torch_transformers_triton_and_siblings(meth
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.level == 1 and node.module in siblings, (
-                    f"{path.name} imports .{node.module}, which the {method} export does not publish")
+                # ``from .x import y`` names sibling x; ``from . import x, z`` names siblings x and z
+                modules = [node.module] if node.module else [a.name for a in node.names]
+                for module in modules:
+                    assert node.level == 1 and module in siblings, (
+                        f"{path.name} imports .{module}, which the {method} export does not publish")
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 for name in names:
