@@ -254,3 +254,244 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks):
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES, num_warps=4,
     )
     return o, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: dk/dv of a block of 128 keys (raw keys or core tokens), FlashAttention-3's backward layout
+# --------------------------------------------------------------------------------------------------
+# One program owns 128 keys: two consumer warpgroups hold 64 keys each (their k/v tiles in shared memory, their dk and
+# dv accumulators in registers), and a load warp streams the tiles of stacked query rows (q, do: HP heads x BMP
+# positions, by TMA boxes of [1, HP, BMP, d]) that both consume. Same contract as ``cca_triton``'s two dk/dv kernels:
+# the same rows visited in the same order, the same masks, the same outputs.
+BWD_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M)
+BWD_REGS_A = gl.constexpr(240)
+BWD_REGS_B = gl.constexpr(24)
+BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB
+
+
+@gluon.jit
+def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, BMP: gl.constexpr):
+    """This program's (batch x head, first key) and its rows as three runs of BMP-position tiles: masked, mask-free,
+    masked (``cca_triton._dkdv_raw_kernel`` / ``_dkdv_core_kernel``'s loops, in the same order)."""
+    n_blk = gl.cdiv(n_cols, 2 * BWD_KEYS)
+    if RAW:
+        n_bh = n_programs // n_blk
+        bh = pid % n_bh
+        split = 0
+        k0 = (pid // n_bh) * 2 * BWD_KEYS
+        k_last = gl.minimum(k0 + 2 * BWD_KEYS, L) - 1
+        q_hi = gl.minimum(L, (k_last // G + 1) * G + S - 1)
+        lim = (k0 // G + 1) * G + S - 1
+        a_end = k0 + gl.cdiv(2 * BWD_KEYS - 1, BMP) * BMP
+        b_end = a_end + (gl.maximum(lim - a_end, 0) // BMP) * BMP
+        m1_lo = k0
+        n_m1 = gl.cdiv(gl.maximum(gl.minimum(a_end, q_hi) - k0, 0), BMP)
+        f_lo = a_end
+        n_f = gl.cdiv(gl.maximum(gl.minimum(b_end, q_hi) - a_end, 0), BMP)
+        m2_lo = b_end
+        n_m2 = gl.cdiv(gl.maximum(q_hi - b_end, 0), BMP)
+    else:
+        n_bh = n_programs // (n_blk * n_split)
+        bh = pid % n_bh
+        split = (pid // n_bh) % n_split
+        k0 = (pid // (n_bh * n_split)) * 2 * BWD_KEYS  # first core blocks (most rows) first
+        t_lo = (k0 + 1) * G + S - 1
+        t_full = (k0 + 2 * BWD_KEYS) * G + S - 1
+        a_end = t_lo + gl.cdiv(gl.maximum(t_full - t_lo, 0), BMP) * BMP
+        n_free = gl.cdiv(gl.maximum(L - a_end, 0), BMP)
+        per = gl.cdiv(n_free, n_split)
+        f_lo = a_end + split * per * BMP
+        f_hi = gl.minimum(f_lo + per * BMP, L)
+        m1_lo = t_lo
+        n_m1 = gl.where(split == 0, gl.cdiv(gl.maximum(gl.minimum(a_end, L) - t_lo, 0), BMP), 0)
+        n_f = gl.cdiv(gl.maximum(f_hi - f_lo, 0), BMP)
+        m2_lo = L * 0  # no third run (tensors, not constants: they are warp_specialize arguments)
+        n_m2 = L * 0
+    return bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2
+
+
+@gluon.jit
+def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP: gl.constexpr):
+    """Row tile i of the program's list (every head chunk runs the three runs): (chunk, first position, masked)."""
+    per = n_m1 + n_f + n_m2
+    chunk = i // per
+    k = i % per
+    t0 = gl.where(k < n_m1, m1_lo + k * BMP, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * BMP,
+                                                     m2_lo + (k - n_m1 - n_f) * BMP))
+    return chunk, t0, (k < n_m1) | (k >= n_m1 + n_f)
+
+
+@gluon.jit
+def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
+                        b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles,
+                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(2 + w))
+    for i in range(n_tiles):
+        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP)
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, head0 + chunk * HP, t0, 0], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, head0 + chunk * HP, t0, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
+                            b, head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl,
+                            m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale,
+                            WG: gl.constexpr, RAW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                            HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+    # Transposed tiles (rows = this warpgroup's 64 keys, columns = 64 stacked query rows), as cca_triton._dkdv_tile.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+    b64 = b.to(gl.int64)
+    col0 = k0 + WG * BWD_KEYS
+    keys = col0 + gl.arange(0, BWD_KEYS, layout=gl.SliceLayout(1, st_layout))
+    r = gl.arange(0, BLOCK_M, layout=col_s)
+    k_my = kv_smem.index(WG).reshape([BWD_KEYS, BLOCK_D])
+    v_my = kv_smem.index(2 + WG).reshape([BWD_KEYS, BLOCK_D])
+    zero_st = gl.zeros([BWD_KEYS, BLOCK_M], gl.float32, st_layout)
+    dk = gl.zeros([BWD_KEYS, BLOCK_D], gl.float32, acc_layout)
+    dv = gl.zeros([BWD_KEYS, BLOCK_D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    if n_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+    # Tile i+1's scores are issued behind tile i's dV and dK (FlashAttention-3's overlap): the tensor cores never wait
+    # for this warpgroup to fetch the next tile. (With no tiles, that first product reads an unfilled stage: unused.)
+    s_tok = warpgroup_mma(k_my, q_smem.index(0).reshape([BLOCK_M, BLOCK_D]).permute((1, 0)), zero_st, use_acc=False,
+                          is_async=True)
+    for i in range(n_tiles):
+        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP)
+        head = chunk * HP + r // BMP
+        t = t0 + r % BMP
+        ok = (head < n_stack) & (t < L)
+        stat = (b64 * n_heads + head0 + head) * L + t
+        lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
+        delta = gl.load(DELTA + stat, mask=ok, other=0.0)
+        s = i % STAGES
+        q_t = q_smem.index(s).reshape([BLOCK_M, BLOCK_D])
+        do_t = do_smem.index(s).reshape([BLOCK_M, BLOCK_D])
+        st = warpgroup_mma_wait(0, deps=(s_tok, ))
+        dp_tok = warpgroup_mma(v_my, do_t.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        if masked:
+            n_t = _n_visible(t, G, S)
+            if RAW:  # the window's raw keys: from its first group to the query itself
+                seen = (keys[:, None] >= (n_t * G)[None, :]) & (keys[:, None] <= t[None, :])
+            else:  # the core tokens of the groups before the window
+                seen = keys[:, None] < n_t[None, :]
+            pt = gl.where(seen, pt, 0.0)
+        pt_op = gl.convert_layout(pt.to(q_smem.dtype), a_layout)
+        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dp_tok, ))  # dO V^T is in; P^T dO may still run
+        dst = pt * (dpt - delta[None, :])
+        dst_op = gl.convert_layout(dst.to(q_smem.dtype), a_layout)
+        dk_tok = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+        # the last tile re-reads its own stage (still held: the loader has nothing left to put there)
+        nxt = gl.minimum(i + 1, n_tiles - 1)
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(k_my, q_smem.index(nxt % STAGES).reshape([BLOCK_M, BLOCK_D]).permute((1, 0)), zero_st,
+                              use_acc=False, is_async=True)
+        dv, dk, _, _ = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, pt_op, dst_op))
+        mbarrier.arrive(empty.index(s), count=1)
+    warpgroup_mma_wait(0, deps=(s_tok, ))
+
+    rows = col0 + gl.arange(0, BWD_KEYS, layout=gl.SliceLayout(1, acc_layout))
+    d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    mask = (rows[:, None] < n_cols) & (d[None, :] < HEAD_DIM)
+    out = out_row0 + rows[:, None].to(gl.int64) * s_gl + d[None, :]
+    if RAW:  # dk, dv in the keys' dtype
+        gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+        gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
+    else:  # fp32 partial sums of this split, added in torch
+        gl.store(DK + out, dk * sm_scale, mask=mask)
+        gl.store(DV + out, dv, mask=mask)
+
+
+@gluon.jit
+def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh, s_gl,
+                 L, G, S, n_heads, n_kv_heads, n_stack, n_chunks, n_cols, n_split, qk_scale, sm_scale,
+                 RAW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
+                 BMP: gl.constexpr, STAGES: gl.constexpr):
+    bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
+        gl.program_id(0), gl.num_programs(0), L, G, S, n_cols, n_split, RAW, BMP)
+    b = bh // n_kv_heads
+    kv_head = bh % n_kv_heads  # the KV head (raw keys) or the core head (core tokens) of the keys
+    head0 = kv_head * n_stack  # its first query head
+    n_tiles = n_chunks * (n_m1 + n_f + n_m2)
+    if RAW:
+        out_row0 = b.to(gl.int64) * s_gb + kv_head.to(gl.int64) * s_gh
+    else:  # partial sums (n_split, B, C, P, d), contiguous
+        out_row0 = (split * (gl.num_programs(0) // (gl.cdiv(n_cols, 2 * BWD_KEYS) * n_split)) + bh).to(gl.int64) \
+            * n_cols * s_gl
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], do_desc.layout)
+    kv_smem = gl.allocate_shared_memory(q_desc.dtype, [4, 1, 1, BWD_KEYS, BLOCK_D], k_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
+
+    gl.warp_specialize([
+        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b, head0,
+                                   n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl, m1_lo, n_m1, f_lo,
+                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, 0, RAW, HEAD_DIM, BLOCK_D, HP, BMP,
+                                   STAGES)),
+        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b, head0,
+                                   n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl, m1_lo, n_m1, f_lo,
+                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, 1, RAW, HEAD_DIM, BLOCK_D, HP, BMP,
+                                   STAGES)),
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
+                               b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, HP, BMP, STAGES)),
+    ], [4, 1], [BWD_REGS_A, BWD_REGS_B])
+
+
+def bwd_applies(stacking, q, do, keys, values) -> bool:
+    """Whether the dk/dv kernels serve these keys and this stacking of query heads (``cca_triton._stack``): whole
+    64-row tiles (HP heads x BMP positions), everything fetched by TMA. Only asked where the forward applies."""
+    hp, bmp, _ = stacking
+    # one query head per tile (pooling query, MHA) measured slower than the Triton kernel: 61.8 against 60.6 ms at 128K
+    return hp > 1 and hp * bmp == BLOCK_M.value and tma_ok(q, do, keys, values)
+
+
+def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_split: int = 1):
+    """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens ((n_split, B, C, P, d) fp32
+    partial sums), as ``cca_triton``'s ``_dkdv_raw_kernel`` / ``_dkdv_core_kernel``."""
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    row_box = [1, hp, bmp, dims.block_d]
+    row_layout = gl.NVMMASharedLayout.get_default_for(row_box, dtype)
+    q_desc, do_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), row_box, row_layout) for x in (q, do))
+    key_box = [1, 1, BWD_KEYS.value, dims.block_d]
+    key_layout = gl.NVMMASharedLayout.get_default_for(key_box, dtype)
+    keys, values = (k, v) if raw else (kc, vc)
+    k_desc, v_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), key_box, key_layout)
+                      for x in (keys, values))
+    n_cols = dims.L if raw else dims.P
+    n_heads_of_keys = dims.Hkv if raw else dims.C
+    if raw:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
+        strides = dk.stride()[:3]
+    else:
+        dk = torch.empty((n_split, dims.B, dims.C, dims.P, dims.D), dtype=torch.float32, device=q.device)
+        dv = torch.empty_like(dk)
+        strides = (0, 0, dims.D)
+    grid = (dims.B * n_heads_of_keys * triton.cdiv(n_cols, 2 * BWD_KEYS.value) * n_split,)
+    _dkdv_kernel[grid](
+        lse, delta, dk, dv, q_desc, do_desc, k_desc, v_desc, *strides,
+        dims.L, dims.G, dims.S, dims.H, n_heads_of_keys, dims.rep if raw else dims.n_stack, n_chunks, n_cols, n_split,
+        dims.qk_scale, dims.sm_scale,
+        RAW=raw, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=BWD_STAGES, num_warps=4,
+    )
+    return dk, dv

@@ -510,7 +510,7 @@ class _Dims:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gluon=False):
+def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gluon=None):
     # Opt-in: a model-level check (tests/test_model_training.py, qwen2 + LoRA, bf16) put one gradient at 5.51e-2 against
     # a limit of 5.08e-2 with it (3.70e-2 with the Triton forward; another gradient the other way round, 3.37e-2 against
     # 4.62e-2). Until that is understood, the Triton forward stays the default.
@@ -539,15 +539,13 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     return o, lse
 
 
-def _backward(do, q, k, v, kc, vc, o, lse, dims):
+def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     B, H, L, D = q.shape
     delta = torch.empty_like(lse)
     _delta_kernel[(B * H, triton.cdiv(L, 64))](
         o, do, delta, *_strides(o), *_strides(do), L, H, HEAD_DIM=D, BLOCK_D=dims.block_d, BLOCK=64
     )
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
 
     bm, bn, warps, stages = _config("dq", dims.block_d, q.device, q.dtype)
@@ -559,17 +557,29 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
         BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
     )
 
-    bm, bn, warps, stages = _config("dkdv_raw", dims.block_d, q.device, q.dtype)
-    hp, bmp, n_chunks = _stack(dims.rep, bm)
-    _dkdv_raw_kernel[(B * dims.Hkv * triton.cdiv(L, bn),)](
-        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        L, dims.G, dims.S, H, dims.Hkv, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
-        BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
-    )
+    # The Gluon dk/dv kernels (default, unless use_gluon=False) where they apply; the Triton ones elsewhere.
+    gluon = use_gluon is not False and cca_gluon is not None and cca_gluon.applies(q, k, v, kc, vc, dims.block_d)
+    gluon_raw = gluon and cca_gluon.bwd_applies(_stack(dims.rep, cca_gluon.BLOCK_M.value), q, do, k, v)
+    if gluon_raw:
+        dk, dv = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *_stack(dims.rep, cca_gluon.BLOCK_M.value),
+                                raw=True)
+    else:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
+        bm, bn, warps, stages = _config("dkdv_raw", dims.block_d, q.device, q.dtype)
+        hp, bmp, n_chunks = _stack(dims.rep, bm)
+        _dkdv_raw_kernel[(B * dims.Hkv * triton.cdiv(L, bn),)](
+            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+            L, dims.G, dims.S, H, dims.Hkv, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
+            BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
+        )
 
     if dims.P == 0:
         return dq, dk, dv, kc.float(), vc.float()
     bm, bn, warps, stages = _config("dkdv_core", dims.block_d, q.device, q.dtype)
+    gluon_core = gluon and cca_gluon.bwd_applies(_stack(dims.n_stack, cca_gluon.BLOCK_M.value), q, do, kc, vc)
+    if gluon_core:
+        bm, bn = cca_gluon.BLOCK_M.value, 2 * cca_gluon.BWD_KEYS.value
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     n_blocks = B * dims.C * triton.cdiv(dims.P, bn)
     if q.is_cuda:  # enough programs for ~4 waves; each split still gets >= 16 row blocks
@@ -577,6 +587,10 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims):
         n_split = max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * bmp)))
     else:  # interpreter: always take the split path, so the tests cover it
         n_split = 2
+    if gluon_core:
+        dkc, dvc = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw=False,
+                                  n_split=n_split)
+        return dq, dk, dv, dkc.sum(0), dvc.sum(0)
     dkc = torch.empty((n_split, B, dims.C, dims.P, D), dtype=torch.float32, device=q.device)
     dvc = torch.empty_like(dkc)
     _dkdv_core_kernel[(n_blocks * n_split,)](
@@ -600,7 +614,7 @@ class _CCAAttentionFn(torch.autograd.Function):
         dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
         o, lse = _forward(q, k_rot, v, kc, vc, dims, use_tma, use_gluon=use_gluon)
         ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
-        ctx.dims, ctx.pooling = dims, pooling
+        ctx.dims, ctx.pooling, ctx.use_gluon = dims, pooling, use_gluon
         ctx.mark_non_differentiable(kc, vc)  # returned for KV caches only
         return o, kc, vc
 
@@ -608,7 +622,8 @@ class _CCAAttentionFn(torch.autograd.Function):
     def backward(ctx, do, _dkc, _dvc):
         q, k_rot, k, v, cos, sin, kc, vc, o, lse = ctx.saved_tensors
         dims = ctx.dims
-        dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims)
+        dq, dk_rot, dv, dkc, dvc = _backward(_last_dim_contiguous(do), q, k_rot, v, kc, vc, o, lse, dims,
+                                             ctx.use_gluon)
         dk = pool_backward(dkc, dvc, q, k_rot, k, v, cos, sin, dq, dk_rot, dv, dims.G, ctx.pooling, dims.sm_scale)
         return dq, dk_rot, dk, dv, None, None, None, None, None, None, None, None
 
@@ -627,7 +642,7 @@ def cca_attention_triton(
     use_tma: bool | None = None,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
-    use_gluon: bool = False,
+    use_gluon: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CCA attention over whole sequences; same contract as ``cca_attention_reference``.
 
@@ -639,8 +654,10 @@ def cca_attention_triton(
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
     ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
     registers), so a model that rotated both needs no pass to undo its RoPE.
-    ``use_gluon``: True runs the forward in ``cca_gluon``'s warp-specialized kernel (a Hopper GPU, triton 3.6; opt-in
-    for now, see ``_forward``); the backward is the same either way.
+    ``use_gluon``: ``cca_gluon``'s warp-specialized Hopper kernels (an sm_90 GPU, triton 3.6). None (default): its
+    dk/dv kernels where they apply (stacked GQA heads, TMA-aligned 16-bit tensors; they give the Triton kernels'
+    numbers); True: its forward too (opt-in for now, see ``_forward``; an error where it cannot run); False: Triton
+    kernels only.
     """
     check_args(group_size, local_window, pooling)
     check_given(q, k, q_rot, k_rot)
