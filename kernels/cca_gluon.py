@@ -1,7 +1,8 @@
-"""Hopper forward of CCA attention, written in Gluon: FlashAttention-3's warp specialization.
+"""Hopper kernels of CCA attention, written in Gluon: FlashAttention-3's warp specialization.
 
-Same contract as ``cca_triton._forward`` for whole sequences (same output, same base-2 logsumexp for the backward).
-One program owns 2 x BMP positions of one core head and runs three partitions:
+**Forward** (opt-in, ``use_gluon=True``): same contract as ``cca_triton._forward`` for whole sequences (same output,
+same base-2 logsumexp for the backward). One program owns 2 x BMP positions of one core head and runs three
+partitions:
 
 - a load warp streams the key/value tiles (the core tokens, then the raw keys of the window) by TMA into a ring of
   shared-memory stages;
@@ -12,8 +13,14 @@ One program owns 2 x BMP positions of one core head and runs three partitions:
 
 Triton's own pipeliner does neither on Hopper (its ``warp_specialize`` fails to compile on the CCA kernel or falls
 back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 507 for the Triton loop
-(``benchmarks/results/attention-h200-kv.md``). Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernel,
-and the GPU tests hold this one to the reference. Opt-in (``use_gluon=True``): see ``cca_triton._forward``.
+(``benchmarks/results/attention-h200-kv.md``). Opt-in: see ``cca_triton._forward``.
+
+**Backward dk/dv** (default where query heads are stacked, see ``bwd_applies``): ``cca_triton``'s two dk/dv passes
+(raw keys, core tokens) with a TMA load warp and two consumer warpgroups of 64 keys each; same rows in the same
+order, so the same numbers (``benchmarks/results/attention-h100-gluon-bwd.md``).
+
+Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernels, and the GPU tests hold these to the reference
+and to the Triton kernels.
 """
 
 import torch

@@ -8,8 +8,8 @@ saved) as a forward kernel, a dq kernel, and one dk/dv kernel each for the raw k
 only meets the ~s+g queries of its window) and the core tokens; the pooling's backward adds its
 share into those gradients.
 
-On Hopper and newer GPUs the forward fetches its key/value tiles by TMA (``tma.py``); the backward keeps pointer
-loads (its dk/dv tiles gather stacked query rows).
+On Hopper and newer GPUs the forward fetches its key/value tiles by TMA (``tma.py``). On an sm_90 GPU with triton
+3.6 the dk/dv passes run in ``cca_gluon`` (warp-specialized, TMA boxes of stacked query rows) where heads are stacked.
 
 GQA is native: a program owns one *core head* and stacks several of its query heads as rows of one
 tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has one core head per KV
