@@ -15,9 +15,10 @@ Triton's own pipeliner does neither on Hopper (its ``warp_specialize`` fails to 
 back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 507 for the Triton loop
 (``benchmarks/results/attention-h200-kv.md``). Opt-in: see ``cca_triton._forward``.
 
-**Backward dk/dv** (default where query heads are stacked, see ``bwd_applies``): ``cca_triton``'s two dk/dv passes
-(raw keys, core tokens) with a TMA load warp and two consumer warpgroups of 64 keys each; same rows in the same
-order, so the same numbers (``benchmarks/results/attention-h100-gluon-bwd.md``).
+**Backward** (default): ``cca_triton``'s dq pass (each consumer warpgroup holds 64 of the dq kernel's 128 stacked query
+rows; the load warp streams its 64-key tiles) and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64
+keys each, where query heads are stacked: ``bwd_applies``), with TMA load warps. Same tiles, same order as the Triton
+kernels, so the same numbers (``benchmarks/results/attention-h100-gluon-bwd.md``).
 
 Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernels, and the GPU tests hold these to the reference
 and to the Triton kernels.
@@ -462,6 +463,213 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
                                b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, HP, BMP, STAGES)),
     ], [4, 1], [BWD_REGS_A, BWD_REGS_B])
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: dq of a block of stacked query rows, over the tiles ``cca_triton._dq_kernel`` visits
+# --------------------------------------------------------------------------------------------------
+# One program owns DQ_ROWS stacked query rows (cca_triton's dq tile: HP heads x BMP positions); each consumer warpgroup
+# holds 64 of them and their fp32 dq accumulator. The load warp streams 64-key tiles by TMA in the Triton kernel's order
+# and with its bounds (core tokens; then the window's raw keys as three runs: masked, mask-free, causal-masked), so every
+# row sums the same products in the same order.
+DQ_ROWS = 128
+DQ_KEYS = gl.constexpr(64)
+DQ_STAGES = 3  # 3 x (k, v) tiles of 64 x 128 + 2 x 2 x (q, do) rows of 64 x 128 = 160 KB
+
+
+@gluon.jit
+def _dq_runs(T0, T1, G, S, DQ_KEYS: gl.constexpr):
+    """The program's key tiles as counts: core tiles, then raw runs R1 (from n0*g, masked), R2 (mask-free), R3
+    (causal-masked), with their first columns (``cca_triton._dq_kernel``'s loops)."""
+    n0 = _n_visible(T0, G, S)
+    n1 = _n_visible(T1, G, S)
+    a_end = n1 * G
+    b_end = a_end + (gl.maximum(T0 + 1 - a_end, 0) // DQ_KEYS) * DQ_KEYS
+    n_core = gl.cdiv(n1, DQ_KEYS)
+    r1_lo = n0 * G
+    n_r1 = gl.cdiv(gl.maximum(a_end - r1_lo, 0), DQ_KEYS)
+    n_r2 = (b_end - a_end) // DQ_KEYS
+    n_r3 = gl.cdiv(gl.maximum(T1 + 1 - b_end, 0), DQ_KEYS)
+    return n0, a_end, b_end, n_core, r1_lo, n_r1, n_r2, n_r3
+
+
+@gluon.jit
+def _dq_tile_col(i, n_core, r1_lo, n_r1, a_end, n_r2, b_end, DQ_KEYS: gl.constexpr):
+    """Tile i's first column and run: 0 core, 1 R1, 2 R2, 3 R3."""
+    k = i - n_core
+    run = gl.where(i < n_core, 0, gl.where(k < n_r1, 1, gl.where(k < n_r1 + n_r2, 2, 3)))
+    col0 = gl.where(run == 0, i * DQ_KEYS, gl.where(run == 1, r1_lo + k * DQ_KEYS,
+                                                   gl.where(run == 2, a_end + (k - n_r1) * DQ_KEYS,
+                                                            b_end + (k - n_r1 - n_r2) * DQ_KEYS)))
+    return col0, run
+
+
+@gluon.jit
+def _dq_load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j,
+                       n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, STAGES: gl.constexpr):
+    for i in range(n_tiles):
+        col0, run = _dq_tile_col(i, n_core, r1_lo, n_r1, a_end, n_r2, b_end, DQ_KEYS)
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
+        if run == 0:
+            tma.async_copy_global_to_shared(kc_desc, [b, c, col0, 0], ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(vc_desc, [b, c, col0, 0], ready.index(s), v_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [b, j, col0, 0], ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [b, j, col0, 0], ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                           s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S, n_heads,
+                           n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale, sm_scale,
+                           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
+                           BMP: gl.constexpr, STAGES: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DQ_KEYS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    b64 = b.to(gl.int64)
+
+    # This warpgroup's 64 of the program's stacked rows (cca_triton._stacked_rows): row i is query head
+    # chunk*HP + i // BMP at position T0 + i % BMP.
+    i_ld = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+    d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
+    head = chunk * HP + i_ld // BMP
+    t_ld = T0 + i_ld % BMP
+    ok = (i_ld // BMP < HP) & (head < n_stack) & (t_ld < L)
+    hq = (c * n_stack + head).to(gl.int64)
+    mask = ok[:, None] & (d[None, :] < HEAD_DIM)
+    q_my = q_smem.index(WG)
+    do_my = do_smem.index(WG)
+    q_my.store(gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + t_ld[:, None] * s_ql + d[None, :], mask=mask, other=0.0))
+    do_my.store(gl.load(DO + b64 * s_ob + hq[:, None] * s_oh + t_ld[:, None] * s_ol + d[None, :], mask=mask,
+                        other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()  # all 128 threads stored their rows before the wgmma reads the tiles
+
+    i_s = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    head_s = chunk * HP + i_s // BMP
+    t = T0 + i_s % BMP
+    ok_s = (i_s // BMP < HP) & (head_s < n_stack) & (t < L)
+    stat = (b64 * n_heads + c * n_stack + head_s) * L + t
+    lse = gl.load(LSE + stat, mask=ok_s, other=float("inf"))  # +inf: padding rows get p = 0
+    delta = gl.load(DELTA + stat, mask=ok_s, other=0.0)
+    n_t = _n_visible(t, G, S)
+    lo_t = n_t * G
+    zero_s = gl.zeros([BLOCK_M, DQ_KEYS], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
+
+    if n_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+    # the next tile's scores are issued behind this tile's dq product (as in the dk/dv kernel)
+    s_tok = warpgroup_mma(q_my, k_smem.index(0).reshape([DQ_KEYS, BLOCK_D]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    for i in range(n_tiles):
+        col0, run = _dq_tile_col(i, n_core, r1_lo, n_r1, a_end, n_r2, b_end, DQ_KEYS)
+        s = i % STAGES
+        k_t = k_smem.index(s).reshape([DQ_KEYS, BLOCK_D])
+        v_t = v_smem.index(s).reshape([DQ_KEYS, BLOCK_D])
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        dp_tok = warpgroup_mma(do_my, v_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        p = gl.exp2(sc * qk_scale - lse[:, None])
+        cols = col0 + gl.arange(0, DQ_KEYS, layout=gl.SliceLayout(0, s_layout))
+        if run == 0:
+            if col0 + DQ_KEYS > (n0 // DQ_KEYS) * DQ_KEYS:  # cca_triton: core tiles from n0_full on are masked
+                p = gl.where(cols[None, :] < n_t[:, None], p, 0.0)
+        elif run == 1:
+            p = gl.where((cols[None, :] >= lo_t[:, None]) & (cols[None, :] <= t[:, None]) & (cols[None, :] < a_end),
+                         p, 0.0)
+        elif run == 3:
+            p = gl.where(cols[None, :] <= t[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - delta[:, None])
+        ds_op = gl.convert_layout(ds.to(q_smem.dtype), a_layout)
+        dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
+        nxt = gl.minimum(i + 1, n_tiles - 1)  # the last tile re-reads its own stage (nothing left to load there)
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(q_my, k_smem.index(nxt % STAGES).reshape([DQ_KEYS, BLOCK_D]).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        dq, _ = warpgroup_mma_wait(1, deps=(dq_tok, ds_op))
+        mbarrier.arrive(empty.index(s), count=1)
+    warpgroup_mma_wait(0, deps=(s_tok, ))
+
+    ro = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    do_ = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    head_o = chunk * HP + ro // BMP
+    t_o = T0 + ro % BMP
+    ok_o = (ro // BMP < HP) & (head_o < n_stack) & (t_o < L)
+    hq_o = (c * n_stack + head_o).to(gl.int64)
+    gl.store(DQ + b64 * s_db + hq_o[:, None] * s_dh + t_o[:, None] * s_dl + do_[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok_o[:, None] & (do_[None, :] < HEAD_DIM))
+
+
+@gluon.jit
+def _dq_kernel(Q, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
+               s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl,
+               L, G, S, n_heads, n_core_heads, n_stack, n_rep, n_chunks, qk_scale, sm_scale,
+               HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr,
+               STAGES: gl.constexpr):
+    # cca_triton._query_tile: heads fastest, the longest (last) position blocks first
+    pid = gl.program_id(0)
+    n_blocks = gl.cdiv(L, BMP)
+    n_hb = gl.num_programs(0) // n_blocks
+    hb = pid % n_hb
+    blk = n_blocks - 1 - pid // n_hb
+    b = hb // (n_core_heads * n_chunks)
+    c = (hb // n_chunks) % n_core_heads
+    chunk = hb % n_chunks
+    j = (c * n_stack) // n_rep
+    T0 = blk * BMP
+    T1 = gl.minimum(T0 + BMP, L) - 1
+    n0, a_end, b_end, n_core, r1_lo, n_r1, n_r2, n_r3 = _dq_runs(T0, T1, G, S, DQ_KEYS)
+    n_tiles = n_core + n_r1 + n_r2 + n_r3
+
+    rows_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, BLOCK_D], rows_layout)
+    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, BLOCK_D], rows_layout)
+    k_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, DQ_KEYS, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, DQ_KEYS, BLOCK_D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
+
+    gl.warp_specialize([
+        (_dq_consumer_partition, (Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                                  s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S,
+                                  n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
+                                  sm_scale, 0, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
+        (_dq_consumer_partition, (Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                                  s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S,
+                                  n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
+                                  sm_scale, 1, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
+        (_dq_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j,
+                              n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def dq(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks):
+    """dq as ``cca_triton._dq_kernel`` (same tiles, same order); ``hp``, ``bmp``, ``n_chunks``: its stacking of
+    query heads into DQ_ROWS rows (``cca_triton._stack``)."""
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    box = [1, 1, DQ_KEYS.value, dims.block_d]
+    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+    raw = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (k, v)]
+    core = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (kc, vc)] if dims.P else raw
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
+    _dq_kernel[grid](
+        q, do, lse, delta, out, *core, *raw, *q.stride()[:3], *do.stride()[:3], *out.stride()[:3],
+        dims.L, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
+        HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=DQ_STAGES, num_warps=4,
+    )
+    return out
 
 
 def bwd_applies(stacking, q, do, keys, values) -> bool:

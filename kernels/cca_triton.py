@@ -9,7 +9,8 @@ only meets the ~s+g queries of its window) and the core tokens; the pooling's ba
 share into those gradients.
 
 On Hopper and newer GPUs the forward fetches its key/value tiles by TMA (``tma.py``). On an sm_90 GPU with triton
-3.6 the dk/dv passes run in ``cca_gluon`` (warp-specialized, TMA boxes of stacked query rows) where heads are stacked.
+3.6 the backward's passes run in ``cca_gluon`` (warp-specialized, TMA load warps; dk/dv where heads are stacked), with
+the Triton kernels' tiles and order.
 
 GQA is native: a program owns one *core head* and stacks several of its query heads as rows of one
 tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has one core head per KV
@@ -545,20 +546,23 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     _delta_kernel[(B * H, triton.cdiv(L, 64))](
         o, do, delta, *_strides(o), *_strides(do), L, H, HEAD_DIM=D, BLOCK_D=dims.block_d, BLOCK=64
     )
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
 
+    # The Gluon kernels (default, unless use_gluon=False) where they apply; the Triton ones elsewhere.
+    gluon = use_gluon is not False and cca_gluon is not None and cca_gluon.applies(q, k, v, kc, vc, dims.block_d)
     bm, bn, warps, stages = _config("dq", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
-    _dq_kernel[(B * dims.C * n_chunks * triton.cdiv(L, bmp),)](
-        q, k, v, kc, vc, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(kc),
-        *_strides(vc), *_strides(do), *_strides(dq),
-        L, dims.P, dims.G, dims.S, H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
-        BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
-    )
+    if gluon and (bm, bn) == (cca_gluon.DQ_ROWS, cca_gluon.DQ_KEYS.value):  # its tiles are the Triton kernel's
+        dq = cca_gluon.dq(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _dq_kernel[(B * dims.C * n_chunks * triton.cdiv(L, bmp),)](
+            q, k, v, kc, vc, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(kc),
+            *_strides(vc), *_strides(do), *_strides(dq),
+            L, dims.P, dims.G, dims.S, H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
+            BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
+        )
 
-    # The Gluon dk/dv kernels (default, unless use_gluon=False) where they apply; the Triton ones elsewhere.
-    gluon = use_gluon is not False and cca_gluon is not None and cca_gluon.applies(q, k, v, kc, vc, dims.block_d)
     gluon_raw = gluon and cca_gluon.bwd_applies(_stack(dims.rep, cca_gluon.BLOCK_M.value), q, do, k, v)
     if gluon_raw:
         dk, dv = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *_stack(dims.rep, cca_gluon.BLOCK_M.value),
@@ -655,9 +659,9 @@ def cca_attention_triton(
     ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
     registers), so a model that rotated both needs no pass to undo its RoPE.
     ``use_gluon``: ``cca_gluon``'s warp-specialized Hopper kernels (an sm_90 GPU, triton 3.6). None (default): its
-    dk/dv kernels where they apply (stacked GQA heads, TMA-aligned 16-bit tensors; they give the Triton kernels'
-    numbers); True: its forward too (opt-in for now, see ``_forward``; an error where it cannot run); False: Triton
-    kernels only.
+    backward kernels where they apply (dq; dk/dv with stacked GQA heads; TMA-aligned 16-bit tensors; they give the
+    Triton kernels' numbers); True: its forward too (opt-in for now, see ``_forward``; an error where it cannot run);
+    False: Triton kernels only.
     """
     check_args(group_size, local_window, pooling)
     check_given(q, k, q_rot, k_rot)

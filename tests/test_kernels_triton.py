@@ -487,37 +487,41 @@ def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pooling", POOLING)
 @pytest.mark.parametrize(
-    "B,H,Hkv,L,d,g,s,kw",
-    [pytest.param(2, 8, 2, 4097, 128, 16, 100, {}, id="gqa4-hd128-b2"),
-     pytest.param(1, 10, 2, 3001, 128, 16, 500, {}, id="gqa5"),  # a stack of 4 heads reaches into the next KV group
-     pytest.param(1, 14, 2, 2000, 80, 16, 300, {"transposed": True}, id="gqa7-hd80-strided"),
-     pytest.param(1, 8, 2, 37, 128, 4, 6, {}, id="shorter-than-a-tile"),
-     pytest.param(1, 16, 4, 1000, 64, 8, 64, {}, id="gqa4-hd64"),
-     pytest.param(2, 4, 4, 300, 128, 16, 100, {}, id="mha")],
+    "B,H,Hkv,L,d,g,s,dtype,kw",
+    [pytest.param(2, 8, 2, 4097, 128, 16, 100, torch.bfloat16, {}, id="gqa4-hd128-b2"),
+     # a stack of 4 heads reaches into the next KV group
+     pytest.param(1, 10, 2, 3001, 128, 16, 500, torch.bfloat16, {}, id="gqa5"),
+     pytest.param(1, 14, 2, 2000, 80, 16, 300, torch.bfloat16, {"transposed": True}, id="gqa7-hd80-strided"),
+     pytest.param(1, 8, 2, 37, 128, 4, 6, torch.bfloat16, {}, id="shorter-than-a-tile"),
+     pytest.param(1, 16, 4, 1000, 64, 8, 64, torch.bfloat16, {}, id="gqa4-hd64"),
+     pytest.param(2, 8, 4, 1500, 128, 16, 200, torch.float16, {}, id="gqa2-fp16"),
+     pytest.param(2, 4, 4, 300, 128, 16, 100, torch.bfloat16, {}, id="mha")],
 )
-def test_gpu_gluon_dkdv_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, kw, pooling):
-    """The default backward on an sm_90 GPU takes the Gluon dk/dv kernels wherever query heads are stacked (GQA); they
-    visit the same rows in the same order as the Triton kernels, so with the same tiles (padded head dim 128) every
-    gradient is bit-identical, and close to it otherwise (head dim 64: the Triton kernels take 32-row tiles)."""
+def test_gpu_gluon_dkdv_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
+    """The default backward on an sm_90 GPU takes the Gluon dq kernel, and its dk/dv kernels wherever query heads are
+    stacked (GQA); they visit the same rows in the same order as the Triton kernels, so with the same tiles (padded
+    head dim 128) every gradient is bit-identical, and close to it otherwise (head dim 64: the Triton dk/dv kernels
+    take 32-row tiles); bf16 and fp16."""
     if not gluon_forward_serves_this_gpu():
         pytest.skip(GLUON_ONLY)
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L + H, **kw)
-    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
     calls = []
-    real = tri.cca_gluon.dkdv
+    real, real_dq = tri.cca_gluon.dkdv, tri.cca_gluon.dq
     try:
         tri.cca_gluon.dkdv = lambda *a, **k_: calls.append(k_["raw"]) or real(*a, **k_)
+        tri.cca_gluon.dq = lambda *a: calls.append("dq") or real_dq(*a)
         gluon = run(functools.partial(tri.cca_attention_triton, use_gluon=None), q, k, v, do, cos, sin, g, s, pooling,
-                    torch.bfloat16)
+                    dtype)
         gluon_calls, calls[:] = list(calls), []
         triton_only = run(functools.partial(tri.cca_attention_triton, use_gluon=False), q, k, v, do, cos, sin, g, s,
-                          pooling, torch.bfloat16)
+                          pooling, dtype)
     finally:
-        tri.cca_gluon.dkdv = real
+        tri.cca_gluon.dkdv, tri.cca_gluon.dq = real, real_dq
     assert calls == []
     stacked = Hkv < H  # the raw keys' kernel stacks the r query heads of a KV head
     core_stacked = stacked and pooling == "kv" and L >= g
-    assert gluon_calls == [True] * stacked + [False] * core_stacked
+    assert gluon_calls == ["dq"] + [True] * stacked + [False] * core_stacked
     for name, a, b in zip(("out", "dq", "dk", "dv"), gluon, triton_only):
         if d > 64:
             assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3e}"
