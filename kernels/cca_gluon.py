@@ -50,6 +50,15 @@ def _n_visible(t, G, S):
 
 
 @gluon.jit
+def _stacked_rows(i, chunk, t_base, n_stack, L, HP: gl.constexpr, BMP: gl.constexpr):
+    """Row i of a stacked tile is query head chunk*HP + i // BMP of the core head's stack, at position
+    t_base + i % BMP (``cca_triton._stacked_rows``): (head in the stack, position, whether the row is real)."""
+    head = chunk * HP + i // BMP
+    t = t_base + i % BMP
+    return head, t, (i // BMP < HP) & (head < n_stack) & (t < L)
+
+
+@gluon.jit
 def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo, n_tiles,
                     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
     for i in range(n_tiles):
@@ -105,12 +114,9 @@ def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
     b64 = b.to(gl.int64)
     t_base = T0 + WG * BMP  # this warpgroup's first position
 
-    # Stacked rows (cca_triton._stacked_rows): row r is query head chunk*HP + r // BMP at position t_base + r % BMP.
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
     d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-    head = chunk * HP + r // BMP
-    tq = t_base + r % BMP
-    ok = (r // BMP < HP) & (head < n_stack) & (tq < L)
+    head, tq, ok = _stacked_rows(r, chunk, t_base, n_stack, L, HP, BMP)
     hq = (c * n_stack + head).to(gl.int64)
     q = gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + tq[:, None] * s_ql + d[None, :],
                 mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
@@ -166,14 +172,11 @@ def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
     ro = gl.arange(0, BLOCK_M, layout=row_o)
     do = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    head_o = chunk * HP + ro // BMP
-    t_o = t_base + ro % BMP
-    ok_o = (ro // BMP < HP) & (head_o < n_stack) & (t_o < L)
+    head_o, t_o, ok_o = _stacked_rows(ro, chunk, t_base, n_stack, L, HP, BMP)
     hq_o = (c * n_stack + head_o).to(gl.int64)
     gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + do[None, :], out.to(O.dtype.element_ty),
              mask=ok_o[:, None] & (do[None, :] < HEAD_DIM))
-    head_s = chunk * HP + rs // BMP
-    ok_s = (rs // BMP < HP) & (head_s < n_stack) & (t < L)
+    head_s, _, ok_s = _stacked_rows(rs, chunk, t_base, n_stack, L, HP, BMP)
     hq_s = (c * n_stack + head_s).to(gl.int64)
     gl.store(LSE + (b64 * n_heads + hq_s) * L + t, m_i + gl.log2(l_i), mask=ok_s)
 
@@ -377,9 +380,7 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
                           is_async=True)
     for i in range(n_tiles):
         chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP)
-        head = chunk * HP + r // BMP
-        t = t0 + r % BMP
-        ok = (head < n_stack) & (t < L)
+        head, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
         stat = (b64 * n_heads + head0 + head) * L + t
         lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
         delta = gl.load(DELTA + stat, mask=ok, other=0.0)
@@ -535,13 +536,10 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     b64 = b.to(gl.int64)
 
-    # This warpgroup's 64 of the program's stacked rows (cca_triton._stacked_rows): row i is query head
-    # chunk*HP + i // BMP at position T0 + i % BMP.
+    # this warpgroup's 64 of the program's stacked rows
     i_ld = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
     d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-    head = chunk * HP + i_ld // BMP
-    t_ld = T0 + i_ld % BMP
-    ok = (i_ld // BMP < HP) & (head < n_stack) & (t_ld < L)
+    head, t_ld, ok = _stacked_rows(i_ld, chunk, T0, n_stack, L, HP, BMP)
     hq = (c * n_stack + head).to(gl.int64)
     mask = ok[:, None] & (d[None, :] < HEAD_DIM)
     q_my = q_smem.index(WG)
@@ -553,9 +551,7 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
     gl.thread_barrier()  # all 128 threads stored their rows before the wgmma reads the tiles
 
     i_s = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    head_s = chunk * HP + i_s // BMP
-    t = T0 + i_s % BMP
-    ok_s = (i_s // BMP < HP) & (head_s < n_stack) & (t < L)
+    head_s, t, ok_s = _stacked_rows(i_s, chunk, T0, n_stack, L, HP, BMP)
     stat = (b64 * n_heads + c * n_stack + head_s) * L + t
     lse = gl.load(LSE + stat, mask=ok_s, other=float("inf"))  # +inf: padding rows get p = 0
     delta = gl.load(DELTA + stat, mask=ok_s, other=0.0)
@@ -600,9 +596,7 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
 
     ro = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     do_ = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-    head_o = chunk * HP + ro // BMP
-    t_o = T0 + ro % BMP
-    ok_o = (ro // BMP < HP) & (head_o < n_stack) & (t_o < L)
+    head_o, t_o, ok_o = _stacked_rows(ro, chunk, T0, n_stack, L, HP, BMP)
     hq_o = (c * n_stack + head_o).to(gl.int64)
     gl.store(DQ + b64 * s_db + hq_o[:, None] * s_dh + t_o[:, None] * s_dl + do_[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok_o[:, None] & (do_[None, :] < HEAD_DIM))
