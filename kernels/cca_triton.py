@@ -563,10 +563,9 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
             BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
         )
 
-    gluon_raw = gluon and cca_gluon.bwd_applies(_stack(dims.rep, cca_gluon.BLOCK_M.value), q, do, k, v)
-    if gluon_raw:
-        dk, dv = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *_stack(dims.rep, cca_gluon.BLOCK_M.value),
-                                raw=True)
+    raw_stack = _stack(dims.rep, cca_gluon.BLOCK_M.value) if gluon else None
+    if gluon and cca_gluon.bwd_applies(raw_stack, q, do, k, v):
+        dk, dv = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *raw_stack, raw=True)
     else:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
@@ -618,7 +617,8 @@ class _CCAAttentionFn(torch.autograd.Function):
         dims = _Dims(q, k_rot, kc, group_size, local_window, scale)
         o, lse = _forward(q, k_rot, v, kc, vc, dims, use_tma, use_gluon=use_gluon)
         ctx.save_for_backward(q, k_rot, k, v, cos, sin, kc, vc, o, lse)
-        ctx.dims, ctx.pooling, ctx.use_gluon = dims, pooling, use_gluon
+        # use_tma=False keeps every tile fetch a pointer load: the Gluon backward (TMA throughout) too
+        ctx.dims, ctx.pooling, ctx.use_gluon = dims, pooling, False if use_tma is False else use_gluon
         ctx.mark_non_differentiable(kc, vc)  # returned for KV caches only
         return o, kc, vc
 
@@ -654,7 +654,8 @@ def cca_attention_triton(
     Differentiable w.r.t. q, k, v. Inputs fp16/bf16 (fp32 accumulation) or fp32; any strides with
     a contiguous last dim; even head_dim <= 256 (padded to a power of two inside the kernels).
     ``use_tma``: the forward fetches key/value tiles with TMA descriptors (``tma.py``; default: on a Hopper or newer
-    GPU, head dims <= 128, aligned rows). Both ways give the same numbers.
+    GPU, head dims <= 128, aligned rows). Both ways give the same numbers. False also keeps the backward off the Gluon
+    kernels (they fetch by TMA).
     ``q_rot``/``k_rot``: q and k already rotated with these tables (a model's own RoPE), used as given (no RoPE pass);
     ``q`` may then be None, and ``k`` too: the pooling then un-rotates ``k_rot`` itself (``unapply_rope``, in
     registers), so a model that rotated both needs no pass to undo its RoPE.

@@ -426,10 +426,10 @@ def test_gpu_qwen_like_heads():
     check(1, 14, 2, 3000, 128, 16, 500, "query", torch.bfloat16, seed=8)
 
 
-GLUON_ONLY = "the Gluon forward serves sm_90 GPUs with triton 3.6 (cca_gluon.VERIFIED_TRITON)"
+GLUON_ONLY = "the Gluon kernels serve sm_90 GPUs with triton 3.6 (cca_gluon.VERIFIED_TRITON)"
 
 
-def gluon_forward_serves_this_gpu():
+def gluon_serves_this_gpu():
     import triton
 
     return (tri.cca_gluon is not None and HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -444,7 +444,7 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
     q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
     cos, sin = (x.to(torch.bfloat16) for x in rope_tables(300, 128))
-    if not gluon_forward_serves_this_gpu():
+    if not gluon_serves_this_gpu():
         with pytest.raises(ValueError, match="use_gluon=True needs"):
             tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True)
         pytest.skip(GLUON_ONLY)
@@ -477,7 +477,7 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
 def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
     """The warp-specialized forward (and the Triton backward on its logsumexp) against the reference: GQA 1/4/5/7,
     head dims 64/80/128, lengths off every tile and group size, batch 2, strided inputs, fp16."""
-    if not gluon_forward_serves_this_gpu():
+    if not gluon_serves_this_gpu():
         pytest.skip(GLUON_ONLY)
     check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=L + d, use_gluon=True, **kw)
     check(B, H, Hkv, L, d, g, s, pooling, dtype, seed=L + d, use_gluon=True, prerotated="only", **kw)
@@ -497,12 +497,12 @@ def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
      pytest.param(2, 8, 4, 1500, 128, 16, 200, torch.float16, {}, id="gqa2-fp16"),
      pytest.param(2, 4, 4, 300, 128, 16, 100, torch.bfloat16, {}, id="mha")],
 )
-def test_gpu_gluon_dkdv_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
+def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
     """The default backward on an sm_90 GPU takes the Gluon dq kernel, and its dk/dv kernels wherever query heads are
     stacked (GQA); they visit the same rows in the same order as the Triton kernels, so with the same tiles (padded
     head dim 128) every gradient is bit-identical, and close to it otherwise (head dim 64: the Triton dk/dv kernels
     take 32-row tiles); bf16 and fp16."""
-    if not gluon_forward_serves_this_gpu():
+    if not gluon_serves_this_gpu():
         pytest.skip(GLUON_ONLY)
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L + H, **kw)
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
@@ -516,9 +516,10 @@ def test_gpu_gluon_dkdv_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, 
         gluon_calls, calls[:] = list(calls), []
         triton_only = run(functools.partial(tri.cca_attention_triton, use_gluon=False), q, k, v, do, cos, sin, g, s,
                           pooling, dtype)
+        run(functools.partial(tri.cca_attention_triton, use_tma=False), q, k, v, do, cos, sin, g, s, pooling, dtype)
     finally:
         tri.cca_gluon.dkdv, tri.cca_gluon.dq = real, real_dq
-    assert calls == []
+    assert calls == []  # neither with use_gluon=False nor with use_tma=False
     stacked = Hkv < H  # the raw keys' kernel stacks the r query heads of a KV head
     core_stacked = stacked and pooling == "kv" and L >= g
     assert gluon_calls == ["dq"] + [True] * stacked + [False] * core_stacked
