@@ -248,19 +248,29 @@ def applies(q, k, v, kc, vc, block_d: int) -> bool:
     return tma_ok(k, v, *(x for x in (kc, vc) if x.numel()))
 
 
+def _descriptors(box, *tensors) -> list:
+    """A TMA descriptor per (B, heads, rows, d) tensor, fetching ``box``-shaped tiles into the NVMMA shared layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16 if tensors[0].dtype == torch.bfloat16
+                                                  else gl.float16)
+    return [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in tensors]
+
+
+def _key_descriptors(k, v, kc, vc, dims, rows: int) -> list:
+    """Descriptors of ``rows``-key tiles: core k, core v, raw k, raw v (with no core tokens the raw ones stand in for
+    them, never read)."""
+    box = [1, 1, rows, dims.block_d]
+    raw = _descriptors(box, k, v)
+    return (_descriptors(box, kc, vc) if dims.P else raw) + raw
+
+
 def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks):
     """CCA forward of whole sequences: (o, base-2 logsumexp), as ``cca_triton._forward``; ``hp``, ``bmp``,
     ``n_chunks``: the stacking of query heads into BLOCK_M rows (``cca_triton._stack``)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    box = [1, 1, BLOCK_N, dims.block_d]
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    raw = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (k, v)]
-    core = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (kc, vc)] if dims.P else raw
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, 2 * bmp),)
     _fwd_kernel[grid](
-        q, o, lse, *core, *raw, q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        q, o, lse, *_key_descriptors(k, v, kc, vc, dims, BLOCK_N), *q.stride()[:3], *o.stride()[:3],
         dims.L, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale,
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES, num_warps=4,
     )
@@ -467,10 +477,10 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh
 # --------------------------------------------------------------------------------------------------
 # Backward: dq of a block of stacked query rows, over the tiles ``cca_triton._dq_kernel`` visits
 # --------------------------------------------------------------------------------------------------
-# One program owns DQ_ROWS stacked query rows (cca_triton's dq tile: HP heads x BMP positions); each consumer warpgroup
-# holds 64 of them and their fp32 dq accumulator. The load warp streams 64-key tiles by TMA in the Triton kernel's order
-# and with its bounds (core tokens; then the window's raw keys as three runs: masked, mask-free, causal-masked), so every
-# row sums the same products in the same order.
+# One program owns DQ_ROWS stacked query rows (cca_triton's dq tile: HP heads x BMP positions); each consumer
+# warpgroup holds 64 of them and their fp32 dq accumulator. The load warp streams 64-key tiles by TMA in the Triton
+# kernel's order and with its bounds (core tokens; then the window's raw keys as three runs: masked, mask-free,
+# causal-masked), so every row sums the same products in the same order.
 DQ_ROWS = 128
 DQ_KEYS = gl.constexpr(64)
 DQ_STAGES = 3  # 3 x (k, v) tiles of 64 x 128 + 2 x 2 x (q, do) rows of 64 x 128 = 160 KB
@@ -649,15 +659,11 @@ def _dq_kernel(Q, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
 def dq(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks):
     """dq as ``cca_triton._dq_kernel`` (same tiles, same order); ``hp``, ``bmp``, ``n_chunks``: its stacking of
     query heads into DQ_ROWS rows (``cca_triton._stack``)."""
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    box = [1, 1, DQ_KEYS.value, dims.block_d]
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    raw = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (k, v)]
-    core = [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (kc, vc)] if dims.P else raw
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
     _dq_kernel[grid](
-        q, do, lse, delta, out, *core, *raw, *q.stride()[:3], *do.stride()[:3], *out.stride()[:3],
+        q, do, lse, delta, out, *_key_descriptors(k, v, kc, vc, dims, DQ_KEYS.value),
+        *q.stride()[:3], *do.stride()[:3], *out.stride()[:3],
         dims.L, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=DQ_STAGES, num_warps=4,
     )
@@ -675,15 +681,8 @@ def bwd_applies(stacking, q, do, keys, values) -> bool:
 def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_split: int = 1):
     """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens ((n_split, B, C, P, d) fp32
     partial sums), as ``cca_triton``'s ``_dkdv_raw_kernel`` / ``_dkdv_core_kernel``."""
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    row_box = [1, hp, bmp, dims.block_d]
-    row_layout = gl.NVMMASharedLayout.get_default_for(row_box, dtype)
-    q_desc, do_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), row_box, row_layout) for x in (q, do))
-    key_box = [1, 1, BWD_KEYS.value, dims.block_d]
-    key_layout = gl.NVMMASharedLayout.get_default_for(key_box, dtype)
-    keys, values = (k, v) if raw else (kc, vc)
-    k_desc, v_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), key_box, key_layout)
-                      for x in (keys, values))
+    q_desc, do_desc = _descriptors([1, hp, bmp, dims.block_d], q, do)
+    k_desc, v_desc = _descriptors([1, 1, BWD_KEYS.value, dims.block_d], *((k, v) if raw else (kc, vc)))
     n_cols = dims.L if raw else dims.P
     n_heads_of_keys = dims.Hkv if raw else dims.C
     if raw:
