@@ -14,9 +14,8 @@ Conventions
   attention. ``cca_rotated`` is the call a model makes: q/k as its RoPE rotated them (``q_rot``/``k_rot``, the
   pooling un-rotates k itself), the same inputs as SDPA, which runs with ``enable_gqa=True`` (no repeat_kv copy) and
   ``is_causal``. In fwd+bwd, gradients are w.r.t. each method's own inputs. Where ``cca_gluon`` applies (an sm_90
-  GPU, triton 3.6), ``cca_rotated`` (the default call) takes its warp-specialized dk/dv kernels in the backward;
-  ``cca_rotated_tr`` is the same call with Triton kernels only (``use_gluon=False``), and ``cca_rotated_gl`` the
-  default call with the Gluon forward too (``use_gluon=True``, opt-in).
+  GPU, triton 3.6), ``cca_rotated`` (the default call) takes its warp-specialized kernels (the forward, dq, dk/dv);
+  ``cca_rotated_tr`` is the same call with Triton kernels only (``use_gluon=False``).
 - ``--rounds N`` times every method N times, alternating (method A, B, ..., A, B, ...), and reports each method's
   median round: the GPU's clock drifts over a run, and alternation spreads that drift over all methods alike.
 - ``cca_authors`` (with ``--authors-repo``): the prefill path of the CCA paper's authors, imported from a clone of
@@ -192,13 +191,10 @@ def make_methods(L, args, q, k, v, cos, sin, do):
         methods[f"cca_rotated[{pooling}]"] = (
             lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x, k_rot=y),
             (q_rot, k_rot, v), "cca")
-        if gluon_forward:  # the default call takes the Gluon dk/dv kernels here: the Triton-only call beside it
+        if gluon_forward:  # the default call takes the Gluon kernels here: the Triton-only call beside it
             methods[f"cca_rotated_tr[{pooling}]"] = (
                 lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x,
                                                                     k_rot=y, use_gluon=False), (q_rot, k_rot, v), "cca")
-            methods[f"cca_rotated_gl[{pooling}]"] = (
-                lambda x, y, z, p=pooling: tri.cca_attention_triton(None, None, z, cos, sin, g, s, p, q_rot=x,
-                                                                    k_rot=y, use_gluon=True), (q_rot, k_rot, v), "cca")
         if L <= args.ref_max:
             methods[f"cca_reference[{pooling}]"] = (
                 lambda x, y, z, p=pooling: ref.cca_attention_reference(x, y, z, cos, sin, g, s, p), (q, k, v), "cca")

@@ -1,6 +1,6 @@
 """Hopper kernels of CCA attention, written in Gluon: FlashAttention-3's warp specialization.
 
-**Forward** (opt-in, ``use_gluon=True``): same contract as ``cca_triton._forward`` for whole sequences (same output,
+**Forward** (default where it applies): same contract as ``cca_triton._forward`` for whole sequences (same output,
 same base-2 logsumexp for the backward). One program owns 2 x BMP positions of one core head and runs three
 partitions:
 
@@ -13,7 +13,7 @@ partitions:
 
 Triton's own pipeliner does neither on Hopper (its ``warp_specialize`` fails to compile on the CCA kernel or falls
 back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 507 for the Triton loop
-(``benchmarks/results/attention-h200-kv.md``). Opt-in: see ``cca_triton._forward``.
+(``benchmarks/results/attention-h200-kv.md``). Its numbers against the Triton forward's: see ``cca_triton._forward``.
 
 **Backward** (default): ``cca_triton``'s dq pass (each consumer warpgroup holds 64 of the dq kernel's 128 stacked query
 rows; the load warp streams its 64-key tiles) and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64

@@ -439,8 +439,9 @@ def gluon_serves_this_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_use_gluon_runs_the_gluon_forward():
-    """On an sm_90 GPU with the verified triton, ``use_gluon=True`` runs the Gluon kernel (not a silent fallback from a
-    failed import) and gives the Triton forward's output; elsewhere asking for it is a clear error."""
+    """On an sm_90 GPU with the verified triton, the default call and ``use_gluon=True`` run the Gluon forward (not a
+    silent fallback from a failed import), close to the Triton forward's output; elsewhere asking for it is a clear
+    error."""
     q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
     cos, sin = (x.to(torch.bfloat16) for x in rope_tables(300, 128))
@@ -453,10 +454,12 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
     try:
         tri.cca_gluon.forward = lambda *a: calls.append(1) or real(*a)
         gluon_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True)
-        triton_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100)
+        default = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100)
+        triton_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=False)
     finally:
         tri.cca_gluon.forward = real
-    assert calls == [1]
+    assert calls == [1, 1]
+    assert torch.equal(default, gluon_fwd)
     torch.testing.assert_close(gluon_fwd, triton_fwd, atol=2e-2, rtol=0)
     with pytest.raises(ValueError, match="not with use_tma=False"):
         tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True, use_tma=False)
@@ -498,32 +501,40 @@ def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
      pytest.param(2, 4, 4, 300, 128, 16, 100, torch.bfloat16, {}, id="mha")],
 )
 def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
-    """The default backward on an sm_90 GPU takes the Gluon dq kernel, and its dk/dv kernels wherever query heads are
-    stacked (GQA); they visit the same rows in the same order as the Triton kernels, so with the same tiles (padded
-    head dim 128) every gradient is bit-identical, and close to it otherwise (head dim 64: the Triton dk/dv kernels
-    take 32-row tiles); bf16 and fp16."""
+    """The default call on an sm_90 GPU takes the Gluon forward, the Gluon dq kernel, and its dk/dv kernels wherever
+    query heads are stacked (GQA). The backward kernels visit the same rows in the same order as the Triton kernels, so
+    from the same forward (padded head dim 128) every gradient is bit-identical, and close to it otherwise (head dim
+    64: the Triton dk/dv kernels take 32-row tiles); bf16 and fp16."""
     if not gluon_serves_this_gpu():
         pytest.skip(GLUON_ONLY)
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L + H, **kw)
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
     calls = []
-    real, real_dq = tri.cca_gluon.dkdv, tri.cca_gluon.dq
+    real, real_dq, real_fwd, real_forward = tri.cca_gluon.dkdv, tri.cca_gluon.dq, tri.cca_gluon.forward, tri._forward
     try:
         tri.cca_gluon.dkdv = lambda *a, **k_: calls.append(k_["raw"]) or real(*a, **k_)
         tri.cca_gluon.dq = lambda *a: calls.append("dq") or real_dq(*a)
+        tri.cca_gluon.forward = lambda *a: calls.append("fwd") or real_fwd(*a)
         gluon = run(functools.partial(tri.cca_attention_triton, use_gluon=None), q, k, v, do, cos, sin, g, s, pooling,
                     dtype)
         gluon_calls, calls[:] = list(calls), []
-        triton_only = run(functools.partial(tri.cca_attention_triton, use_gluon=False), q, k, v, do, cos, sin, g, s,
-                          pooling, dtype)
+        # the Triton backward from the same (Gluon) forward: what the Gluon backward must reproduce
+        tri._forward = lambda *a, **k_: real_forward(*a, **{**k_, "use_gluon": True})
+        triton_bwd = run(functools.partial(tri.cca_attention_triton, use_gluon=False), q, k, v, do, cos, sin, g, s,
+                         pooling, dtype)
+        tri._forward = real_forward
+        assert calls == ["fwd"]
+        calls.clear()
+        run(functools.partial(tri.cca_attention_triton, use_gluon=False), q, k, v, do, cos, sin, g, s, pooling, dtype)
         run(functools.partial(tri.cca_attention_triton, use_tma=False), q, k, v, do, cos, sin, g, s, pooling, dtype)
     finally:
-        tri.cca_gluon.dkdv, tri.cca_gluon.dq = real, real_dq
+        tri.cca_gluon.dkdv, tri.cca_gluon.dq, tri.cca_gluon.forward = real, real_dq, real_fwd
+        tri._forward = real_forward
     assert calls == []  # neither with use_gluon=False nor with use_tma=False
     stacked = Hkv < H  # the raw keys' kernel stacks the r query heads of a KV head
     core_stacked = stacked and pooling == "kv" and L >= g
-    assert gluon_calls == ["dq"] + [True] * stacked + [False] * core_stacked
-    for name, a, b in zip(("out", "dq", "dk", "dv"), gluon, triton_only):
+    assert gluon_calls == ["fwd", "dq"] + [True] * stacked + [False] * core_stacked
+    for name, a, b in zip(("out", "dq", "dk", "dv"), gluon, triton_bwd):
         if d > 64:
             assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3e}"
         else:
