@@ -1,8 +1,8 @@
 """Hopper kernels of CCA attention, written in Gluon: FlashAttention-3's warp specialization.
 
-**Forward** (default where it applies): same contract as ``cca_triton._forward`` for whole sequences (same output,
-same base-2 logsumexp for the backward). One program owns 2 x BMP positions of one core head and runs three
-partitions:
+**Forward** (default where it applies): same contract as ``cca_triton._forward``, for whole sequences and for a chunk
+after a prefill (rows offset to per-sequence positions; same output, same base-2 logsumexp for the backward). One
+program owns 2 x BMP positions of one core head and runs three partitions:
 
 - a load warp streams the key/value tiles (the core tokens, then the raw keys of the window) by TMA into a ring of
   shared-memory stages;
@@ -59,8 +59,8 @@ def _stacked_rows(i, chunk, t_base, n_stack, L, HP: gl.constexpr, BMP: gl.conste
 
 
 @gluon.jit
-def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo, n_tiles,
-                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo, kb,
+                    n_tiles, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
     for i in range(n_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1: the ring starts empty
@@ -71,7 +71,7 @@ def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, emp
             tma.async_copy_global_to_shared(kc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), k_dst)
             tma.async_copy_global_to_shared(vc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), v_dst)
         else:
-            k0 = raw_lo + (i - n_core) * BLOCK_N
+            k0 = raw_lo + (i - n_core) * BLOCK_N - kb  # the raw key at position p is column p - kb
             tma.async_copy_global_to_shared(k_desc, [b, j, k0, 0], ready.index(s), k_dst)
             tma.async_copy_global_to_shared(v_desc, [b, j, k0, 0], ready.index(s), v_dst)
 
@@ -99,7 +99,7 @@ def _softmax_tile(sc, m_i, l_i, i, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, 
 
 @gluon.jit
 def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
-                        s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, b, c, chunk, T0, L, G, S, n_heads, n_stack,
+                        s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack,
                         n_core, n0, raw_lo, a_end, n_tiles, qk_scale,
                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
                         HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
@@ -112,11 +112,12 @@ def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     b64 = b.to(gl.int64)
-    t_base = T0 + WG * BMP  # this warpgroup's first position
+    r_base = row0 + WG * BMP  # this warpgroup's first row
+    t_base = T0 + WG * BMP  # and its position
 
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
     d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-    head, tq, ok = _stacked_rows(r, chunk, t_base, n_stack, L, HP, BMP)
+    head, tq, ok = _stacked_rows(r, chunk, r_base, n_stack, L, HP, BMP)
     hq = (c * n_stack + head).to(gl.int64)
     q = gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + tq[:, None] * s_ql + d[None, :],
                 mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
@@ -172,20 +173,20 @@ def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
     ro = gl.arange(0, BLOCK_M, layout=row_o)
     do = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    head_o, t_o, ok_o = _stacked_rows(ro, chunk, t_base, n_stack, L, HP, BMP)
+    head_o, t_o, ok_o = _stacked_rows(ro, chunk, r_base, n_stack, L, HP, BMP)
     hq_o = (c * n_stack + head_o).to(gl.int64)
     gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + do[None, :], out.to(O.dtype.element_ty),
              mask=ok_o[:, None] & (do[None, :] < HEAD_DIM))
-    head_s, _, ok_s = _stacked_rows(rs, chunk, t_base, n_stack, L, HP, BMP)
+    head_s, t_s, ok_s = _stacked_rows(rs, chunk, r_base, n_stack, L, HP, BMP)
     hq_s = (c * n_stack + head_s).to(gl.int64)
-    gl.store(LSE + (b64 * n_heads + hq_s) * L + t, m_i + gl.log2(l_i), mask=ok_s)
+    gl.store(LSE + (b64 * n_heads + hq_s) * L + t_s, m_i + gl.log2(l_i), mask=ok_s)
 
 
 @gluon.jit
-def _fwd_kernel(Q, O, LSE, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s_ql, s_ob, s_oh, s_ol,
-                L, G, S, n_heads, n_core_heads, n_stack, n_rep, n_chunks, qk_scale,
+def _fwd_kernel(Q, O, LSE, QPOS, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s_ql, s_ob, s_oh, s_ol,
+                L, R, G, S, n_heads, n_core_heads, n_stack, n_rep, n_chunks, qk_scale,
                 HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr, HP: gl.constexpr,
-                BMP: gl.constexpr, STAGES: gl.constexpr):
+                BMP: gl.constexpr, STAGES: gl.constexpr, OFFSET: gl.constexpr):
     # 1-D grid, heads fastest and the longest (last) position blocks first (cca_triton._query_tile)
     pid = gl.program_id(0)
     n_blocks = gl.cdiv(L, 2 * BMP)
@@ -196,8 +197,14 @@ def _fwd_kernel(Q, O, LSE, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s_ql, s
     c = (hb // n_chunks) % n_core_heads
     chunk = hb % n_chunks
     j = (c * n_stack) // n_rep  # KV head of the raw keys
-    T0 = blk * 2 * BMP
-    T1 = gl.minimum(T0 + 2 * BMP, L) - 1
+    if OFFSET:  # a chunk after a prefill: row i sits at position QPOS[b] + i, raw key column u at QPOS[b] - R + u
+        q_start = gl.load(QPOS + b)
+    else:  # whole sequences: rows and columns are positions
+        q_start = blk * 0
+    kb = q_start - R
+    row0 = blk * 2 * BMP
+    T0 = row0 + q_start  # positions (the spec's t) of the program's first and last rows
+    T1 = gl.minimum(row0 + 2 * BMP, L) - 1 + q_start
     n0 = _n_visible(T0, G, S)
     n1 = _n_visible(T1, G, S)
     n_core = gl.cdiv(n1, BLOCK_N)
@@ -221,13 +228,13 @@ def _fwd_kernel(Q, O, LSE, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s_ql, s
     a_end = n1 * G
     gl.warp_specialize([
         (_consumer_partition, (Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob, s_oh,
-                               s_ol, b, c, chunk, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end, n_tiles,
-                               qk_scale, 0, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
+                               s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end,
+                               n_tiles, qk_scale, 0, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
         (_consumer_partition, (Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob, s_oh,
-                               s_ol, b, c, chunk, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end, n_tiles,
-                               qk_scale, 1, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
+                               s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end,
+                               n_tiles, qk_scale, 1, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
         (_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo,
-                           n_tiles, BLOCK_N, BLOCK_D, STAGES)),
+                           kb, n_tiles, BLOCK_N, BLOCK_D, STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -263,16 +270,19 @@ def _key_descriptors(k, v, kc, vc, dims, rows: int) -> list:
     return (_descriptors(box, kc, vc) if dims.P else raw) + raw
 
 
-def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks):
-    """CCA forward of whole sequences: (o, base-2 logsumexp), as ``cca_triton._forward``; ``hp``, ``bmp``,
-    ``n_chunks``: the stacking of query heads into BLOCK_M rows (``cca_triton._stack``)."""
+def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
+    """CCA forward: (o, base-2 logsumexp), as ``cca_triton._forward``, of whole sequences or (``q_pos``, ``key_lead``)
+    of a chunk after a prefill; ``hp``, ``bmp``, ``n_chunks``: the stacking of query heads into BLOCK_M rows
+    (``cca_triton._stack``)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, 2 * bmp),)
+    offset = q_pos is not None
     _fwd_kernel[grid](
-        q, o, lse, *_key_descriptors(k, v, kc, vc, dims, BLOCK_N), *q.stride()[:3], *o.stride()[:3],
-        dims.L, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale,
-        HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES, num_warps=4,
+        q, o, lse, q_pos if offset else lse, *_key_descriptors(k, v, kc, vc, dims, BLOCK_N), *q.stride()[:3],
+        *o.stride()[:3], dims.L, key_lead, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks,
+        dims.qk_scale, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES,
+        OFFSET=offset, num_warps=4,
     )
     return o, lse
 

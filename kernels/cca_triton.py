@@ -9,8 +9,8 @@ only meets the ~s+g queries of its window) and the core tokens; the pooling's ba
 share into those gradients.
 
 On Hopper and newer GPUs the forward fetches its key/value tiles by TMA (``tma.py``). On an sm_90 GPU with triton
-3.6 the passes run in ``cca_gluon`` (warp-specialized, TMA load warps): the forward of whole sequences, and the
-backward's (dk/dv where heads are stacked) with the Triton kernels' tiles and order.
+3.6 the passes run in ``cca_gluon`` (warp-specialized, TMA load warps): the forward (whole sequences and chunks after
+a prefill), and the backward's (dk/dv where heads are stacked) with the Triton kernels' tiles and order.
 
 GQA is native: a program owns one *core head* and stacks several of its query heads as rows of one
 tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has one core head per KV
@@ -516,13 +516,12 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     # rows: the same softmax, rounded in another order. Its gradients are as close to fp32 as the Triton forward's:
     # on 16 tiny qwen2 checkpoints, with and without LoRA, the model-level check's worst gradient error/limit averaged
     # 0.699 against 0.698 and each forward went past 1 on 2-3 of the 32 (benchmarks/gradient_sweep.py; results/).
-    gluon = (cca_gluon is not None and q_pos is None and use_tma is not False
-             and cca_gluon.applies(q, k, v, kc, vc, dims.block_d))
+    gluon = cca_gluon is not None and use_tma is not False and cca_gluon.applies(q, k, v, kc, vc, dims.block_d)
     if use_gluon and not gluon:
-        raise ValueError("use_gluon=True needs triton's Gluon, whole sequences, a Hopper (sm_90) GPU, 16-bit inputs, "
-                         "head_dim <= 128 and TMA-aligned keys/values (its tiles come by TMA: not with use_tma=False)")
+        raise ValueError("use_gluon=True needs triton's Gluon, a Hopper (sm_90) GPU, 16-bit inputs, head_dim <= 128 "
+                         "and TMA-aligned keys/values (its tiles come by TMA: not with use_tma=False)")
     if gluon and use_gluon is not False:
-        return cca_gluon.forward(q, k, v, kc, vc, dims, *_stack(dims.n_stack, cca_gluon.BLOCK_M.value))
+        return cca_gluon.forward(q, k, v, kc, vc, dims, *_stack(dims.n_stack, cca_gluon.BLOCK_M.value), q_pos, key_lead)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _config("fwd", dims.block_d, q.device, q.dtype)
@@ -698,7 +697,8 @@ def cca_chunk_attention_triton(
 ) -> torch.Tensor:
     """CCA attention of a chunk of queries that starts at a per-row position (a chunk after a prefill); same contract
     as ``cca_chunk_attention_reference``. Forward only (inference); the forward kernel of whole sequences, with its
-    rows and raw key columns offset."""
+    rows and raw key columns offset (the Gluon one where it applies, as for whole sequences: a chunk starting on a
+    multiple of 128 positions then gives one pass's numbers)."""
     check_chunk_args(q_rot, k_raw, key_lead, group_size, local_window)
     if q_rot.shape[-1] % 2 or q_rot.shape[-1] > 256:
         raise ValueError(f"the Triton CCA kernel supports even head_dim <= 256, got {q_rot.shape[-1]}")

@@ -544,6 +544,34 @@ def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g,
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pooling", POOLING)
+def test_gpu_gluon_chunk_on_a_128_border_gives_one_pass_numbers(pooling):
+    """On an sm_90 GPU the chunk entry runs the Gluon forward with its rows offset. A chunk that starts on a multiple
+    of 128 positions walks the tiles one pass walks, so it gives one pass's output bit for bit: what makes a chunked
+    prefill equal to one pass (``benchmarks/prefill.py``'s |dh|)."""
+    if not gluon_serves_this_gpu():
+        pytest.skip(GLUON_ONLY)
+    B, H, Hkv, L, d, g, s, start = 2, 8, 2, 1500, 128, 16, 100, 768
+    q, k, v, _, cos, sin = (x.to(torch.bfloat16) for x in make_inputs(B, H, Hkv, L, d, seed=5))
+    q_rot, k_rot = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+    whole, kc, vc = tri.cca_attention_triton(None, None, v, cos, sin, g, s, pooling, return_core=True, q_rot=q_rot,
+                                             k_rot=k_rot)
+    lead = s + g - 1 + 9  # raw keys from 9 columns before the first one the chunk's queries see
+    pos = torch.full((B,), start, dtype=torch.int32, device=q.device)
+    calls = []
+    real = tri.cca_gluon.forward
+    try:
+        tri.cca_gluon.forward = lambda *a: calls.append(a[-2] is not None) or real(*a)
+        got = tri.cca_chunk_attention_triton(q_rot[:, :, start:], k_rot[:, :, start - lead:], v[:, :, start - lead:],
+                                             kc, vc, pos, lead, g, s, d**-0.5)
+    finally:
+        tri.cca_gluon.forward = real
+    assert calls == [True]  # the Gluon forward, with rows offset
+    assert torch.equal(got, whole[:, :, start:]), f"max |diff| {(got - whole[:, :, start:]).abs().max().item():.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pooling", POOLING)
 def test_gpu_pointer_path(pooling):
     """The forward's tile fetch on a pre-Hopper GPU (or unaligned rows): pointer loads, same numbers."""
     check(2, 8, 2, 4097, 128, 16, 100, pooling, torch.bfloat16, seed=3, use_tma=False)
