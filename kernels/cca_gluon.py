@@ -44,6 +44,22 @@ BLOCK_N = 128
 STAGES = 3  # 2 x 64 x 128 q rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
 
 
+@gluon.constexpr_function
+def _mma_layout(n):
+    """Registers of a warpgroup's [64, n] wgmma accumulator (4 warps, one 16-row slice each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(acc_layout):
+    """A 16-bit A operand held in registers (P, dS) for a wgmma into ``acc_layout``."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
+# Coalesced pointer loads of [64, d] rows: 8 contiguous elements (16 bytes) per thread.
+_LOAD_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
 @gluon.jit
 def _n_visible(t, G, S):
     return gl.maximum(t + 1 - S, 0) // G
@@ -103,12 +119,10 @@ def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
                         n_core, n0, raw_lo, a_end, n_tiles, qk_scale,
                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
                         HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(BLOCK_D)
+    p_layout: gl.constexpr = _operand_layout(o_layout)
+    ld_layout: gl.constexpr = _LOAD_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     b64 = b.to(gl.int64)
@@ -374,11 +388,9 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
                             WG: gl.constexpr, RAW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                             HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     # Transposed tiles (rows = this warpgroup's 64 keys, columns = 64 stacked query rows), as cca_triton._dkdv_tile.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    st_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(BLOCK_D)
+    a_layout: gl.constexpr = _operand_layout(acc_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
     b64 = b.to(gl.int64)
     col0 = k0 + WG * BWD_KEYS
@@ -545,12 +557,10 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
                            n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale, sm_scale,
                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
                            BMP: gl.constexpr, STAGES: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DQ_KEYS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = _mma_layout(DQ_KEYS)
+    acc_layout: gl.constexpr = _mma_layout(BLOCK_D)
+    a_layout: gl.constexpr = _operand_layout(acc_layout)
+    ld_layout: gl.constexpr = _LOAD_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     b64 = b.to(gl.int64)
 
