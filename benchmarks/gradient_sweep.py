@@ -23,17 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def triton_forward(enabled: bool):
-    """Route the whole-sequence forward of every loaded ``cca_triton`` module to its Triton kernel (``enabled``) or
-    back to the default."""
+    """Route the forward of every loaded ``cca_triton`` module (the model's published copy included) to its Triton
+    kernel (``enabled``; the backward keeps its default kernels) or back to the default."""
     for name, module in list(sys.modules.items()):
         if not name.endswith("cca_triton") or not hasattr(module, "_forward"):
             continue
         default = module.__dict__.setdefault("_default_forward", module._forward)
 
         def forward(*args, _default=default, **kwargs):
-            if kwargs.get("q_pos") is None and len(args) < 8:
-                kwargs["use_gluon"] = False
-            return _default(*args, **kwargs)
+            return _default(*args, **{**kwargs, "use_gluon": False})
 
         module._forward = forward if enabled else default
 
