@@ -1,8 +1,8 @@
 """Hopper kernels of CCA attention, written in Gluon: FlashAttention-3's warp specialization.
 
 **Forward** (default where it applies): same contract as ``cca_triton._forward``, for whole sequences and for a chunk
-after a prefill (rows offset to per-sequence positions; same output, same base-2 logsumexp for the backward). One
-program owns 2 x BMP positions of one core head and runs three partitions:
+after a prefill (rows offset to per-sequence positions; same output, same base-2 logsumexp for the backward). A work
+item is 2 x BMP positions of one core head; a program takes two in turn and runs three partitions:
 
 - a load warp streams the key/value tiles (the core tokens, then the raw keys of the window) by TMA into a ring of
   shared-memory stages;
@@ -41,6 +41,9 @@ from .tma import tma_ok
 
 BLOCK_M = gl.constexpr(64)  # stacked query rows per consumer warpgroup (the smallest wgmma M)
 BLOCK_N = 128
+# Work items per program. Against 1, 2 took 1-4% off the forward on an H100 (8K-128K, GQA 4/7, hd 64/128); 3 and 4
+# did no better, and one program per SM (all items, statically strided) lost 7% at 128K in one run of two.
+ITEMS = 2
 STAGES = 3  # 2 x 64 x 128 q rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
 
 
@@ -75,21 +78,57 @@ def _stacked_rows(i, chunk, t_base, n_stack, L, HP: gl.constexpr, BMP: gl.conste
 
 
 @gluon.jit
-def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo, kb,
-                    n_tiles, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
-    for i in range(n_tiles):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1: the ring starts empty
-        mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
-        k_dst = k_smem.index(s)
-        v_dst = v_smem.index(s)
-        if i < n_core:
-            tma.async_copy_global_to_shared(kc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), k_dst)
-            tma.async_copy_global_to_shared(vc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), v_dst)
-        else:
-            k0 = raw_lo + (i - n_core) * BLOCK_N - kb  # the raw key at position p is column p - kb
-            tma.async_copy_global_to_shared(k_desc, [b, j, k0, 0], ready.index(s), k_dst)
-            tma.async_copy_global_to_shared(v_desc, [b, j, k0, 0], ready.index(s), v_dst)
+def _fwd_item(x, QPOS, L, R, G, S, n_hb, n_core_heads, n_stack, n_rep, n_chunks, BLOCK_N: gl.constexpr,
+              BMP: gl.constexpr, OFFSET: gl.constexpr):
+    """Work item x: 2 x BMP positions of a stack of query heads (n_hb: batch x core heads x head chunks); heads
+    fastest and the longest (last) position blocks first (``cca_triton._query_tile``'s order), so the items a program
+    takes in turn are about as long as every other program's. Returns the batch, core head, head chunk, KV head,
+    first row and its position, the raw keys' column offset, the core tokens every row sees (n0) and the last row
+    sees (n1), and the counts of core tiles and of all key tiles."""
+    hb = x % n_hb
+    blk = gl.cdiv(L, 2 * BMP) - 1 - x // n_hb
+    b = hb // (n_core_heads * n_chunks)
+    c = (hb // n_chunks) % n_core_heads
+    chunk = hb % n_chunks
+    j = (c * n_stack) // n_rep  # KV head of the raw keys
+    if OFFSET:  # a chunk after a prefill: row i sits at position QPOS[b] + i, raw key column u at QPOS[b] - R + u
+        q_start = gl.load(QPOS + b)
+    else:  # whole sequences: rows and columns are positions
+        q_start = blk * 0
+    row0 = blk * 2 * BMP
+    T0 = row0 + q_start  # positions (the spec's t) of the item's first and last rows
+    T1 = gl.minimum(row0 + 2 * BMP, L) - 1 + q_start
+    n0 = _n_visible(T0, G, S)
+    n1 = _n_visible(T1, G, S)
+    n_core = gl.cdiv(n1, BLOCK_N)
+    n_tiles = n_core + gl.cdiv(T1 + 1 - n0 * G, BLOCK_N)
+    return b, c, chunk, j, row0, T0, q_start - R, n0, n1, n_core, n_tiles
+
+
+@gluon.jit
+def _load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, QPOS, L, R, G, S, n_hb,
+                    n_core_heads, n_stack, n_rep, n_chunks, x_lo, x_hi, BLOCK_N: gl.constexpr, BMP: gl.constexpr,
+                    STAGES: gl.constexpr, OFFSET: gl.constexpr):
+    it = 0  # tiles loaded by this program so far: the ring's position and phase run on across work items
+    for x in range(x_lo, x_hi):
+        b, c, chunk, j, row0, T0, kb, n0, n1, n_core, n_tiles = _fwd_item(
+            x, QPOS, L, R, G, S, n_hb, n_core_heads, n_stack, n_rep, n_chunks, BLOCK_N, BMP, OFFSET)
+        raw_lo = n0 * G
+        for i in range(n_tiles):
+            s = it % STAGES
+            # fresh barriers pass phase 1: the ring starts empty
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
+            k_dst = k_smem.index(s)
+            v_dst = v_smem.index(s)
+            if i < n_core:
+                tma.async_copy_global_to_shared(kc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), k_dst)
+                tma.async_copy_global_to_shared(vc_desc, [b, c, i * BLOCK_N, 0], ready.index(s), v_dst)
+            else:
+                k0 = raw_lo + (i - n_core) * BLOCK_N - kb  # the raw key at position p is column p - kb
+                tma.async_copy_global_to_shared(k_desc, [b, j, k0, 0], ready.index(s), k_dst)
+                tma.async_copy_global_to_shared(v_desc, [b, j, k0, 0], ready.index(s), v_dst)
+            it += 1
 
 
 @gluon.jit
@@ -114,117 +153,108 @@ def _softmax_tile(sc, m_i, l_i, i, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, 
 
 
 @gluon.jit
-def _consumer_partition(Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn,
-                        s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack,
-                        n_core, n0, raw_lo, a_end, n_tiles, qk_scale,
+def _consumer_partition(Q, O, LSE, QPOS, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob, s_oh, s_ol,
+                        L, R, G, S, n_heads, n_hb, n_core_heads, n_stack, n_rep, n_chunks, x_lo, x_hi, qk_scale,
                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr, OFFSET: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(BLOCK_D)
     p_layout: gl.constexpr = _operand_layout(o_layout)
     ld_layout: gl.constexpr = _LOAD_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    b64 = b.to(gl.int64)
-    r_base = row0 + WG * BMP  # this warpgroup's first row
-    t_base = T0 + WG * BMP  # and its position
-
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
     d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-    head, tq, ok = _stacked_rows(r, chunk, r_base, n_stack, L, HP, BMP)
-    hq = (c * n_stack + head).to(gl.int64)
-    q = gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + tq[:, None] * s_ql + d[None, :],
-                mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    q_my = q_smem.index(WG)
-    q_my.store(q)
-    fence_async_shared()
-    gl.thread_barrier()  # all 128 threads stored their rows before the wgmma reads the tile
-
     rs = gl.arange(0, BLOCK_M, layout=row_s)
-    t = t_base + rs % BMP
-    n_t = _n_visible(t, G, S)
-    lo_t = n_t * G
-    my_turn = turn.index(WG)
-    other_turn = turn.index(1 - WG)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_s)  # finite: a fully masked tile gives exp2(-inf) = 0, not NaN
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-
-    # Tile 0: scores only. Warpgroup 1 waits for warpgroup 0's turn to end (its barrier's phase 0); warpgroup 0's
-    # first wait is on phase 1, which a fresh barrier has already passed.
-    mbarrier.wait(ready.index(0), 0)
-    mbarrier.wait(my_turn, 1 - WG)
-    s_tok = warpgroup_mma(q_my, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(other_turn, count=1)
-    sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-    p, m_i, l_i, alpha = _softmax_tile(sc, m_i, l_i, 0, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, qk_scale,
-                                       BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    for i in range(1, n_tiles):
-        s = i % STAGES
-        sp = (i - 1) % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        mbarrier.wait(my_turn, (i & 1) ^ (1 - WG))
-        s_tok = warpgroup_mma(q_my, k_smem.index(s).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        a_tok = warpgroup_mma(p_op, v_smem.index(sp).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # the scores are in; P V may still run
-        p, m_i, l_i, alpha = _softmax_tile(sc, m_i, l_i, i, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, qk_scale,
-                                           BLOCK_N, s_layout)
-        acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
-        mbarrier.arrive(empty.index(sp), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    sl = (n_tiles - 1) % STAGES
-    mbarrier.wait(my_turn, (n_tiles & 1) ^ (1 - WG))
-    a_tok = warpgroup_mma(p_op, v_smem.index(sl).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-    mbarrier.arrive(other_turn, count=1)
-    acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
-    mbarrier.arrive(empty.index(sl), count=1)
-
-    l_i = gl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees itself
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
     ro = gl.arange(0, BLOCK_M, layout=row_o)
     do = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    head_o, t_o, ok_o = _stacked_rows(ro, chunk, r_base, n_stack, L, HP, BMP)
-    hq_o = (c * n_stack + head_o).to(gl.int64)
-    gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + do[None, :], out.to(O.dtype.element_ty),
-             mask=ok_o[:, None] & (do[None, :] < HEAD_DIM))
-    head_s, t_s, ok_s = _stacked_rows(rs, chunk, r_base, n_stack, L, HP, BMP)
-    hq_s = (c * n_stack + head_s).to(gl.int64)
-    gl.store(LSE + (b64 * n_heads + hq_s) * L + t_s, m_i + gl.log2(l_i), mask=ok_s)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q_my = q_smem.index(WG)
+    my_turn = turn.index(WG)
+    other_turn = turn.index(1 - WG)
+    it = 0  # key tiles consumed so far, and turns taken: the ring's and the turns' phases run on across work items
+    n_turns = 0
+    for x in range(x_lo, x_hi):
+        b, c, chunk, j, row0, T0, kb, n0, n1, n_core, n_tiles = _fwd_item(
+            x, QPOS, L, R, G, S, n_hb, n_core_heads, n_stack, n_rep, n_chunks, BLOCK_N, BMP, OFFSET)
+        raw_lo = n0 * G
+        a_end = n1 * G
+        b64 = b.to(gl.int64)
+        r_base = row0 + WG * BMP  # this warpgroup's first row
+        t_base = T0 + WG * BMP  # and its position
+
+        # the previous item's last matmul has finished (waited below), so this warpgroup's q tile is free
+        head, tq, ok = _stacked_rows(r, chunk, r_base, n_stack, L, HP, BMP)
+        hq = (c * n_stack + head).to(gl.int64)
+        q = gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + tq[:, None] * s_ql + d[None, :],
+                    mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        q_my.store(q)
+        fence_async_shared()
+        gl.thread_barrier()  # all 128 threads stored their rows before the wgmma reads the tile
+
+        t = t_base + rs % BMP
+        n_t = _n_visible(t, G, S)
+        lo_t = n_t * G
+        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_s)  # finite: a fully masked tile gives exp2(-inf) = 0
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+
+        # Tile 0: scores only. The warpgroups take turns: warpgroup 1's turn k waits for warpgroup 0's turn k to end
+        # (phase k & 1 of its barrier), warpgroup 0's for warpgroup 1's turn k - 1 (a fresh barrier has passed phase 1).
+        s0 = it % STAGES
+        mbarrier.wait(ready.index(s0), (it // STAGES) & 1)
+        mbarrier.wait(my_turn, (n_turns & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q_my, k_smem.index(s0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        p, m_i, l_i, alpha = _softmax_tile(sc, m_i, l_i, 0, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, qk_scale,
+                                           BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        for i in range(1, n_tiles):
+            g = it + i
+            s = g % STAGES
+            sp = (g - 1) % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            mbarrier.wait(my_turn, ((n_turns + i) & 1) ^ (1 - WG))
+            s_tok = warpgroup_mma(q_my, k_smem.index(s).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+            a_tok = warpgroup_mma(p_op, v_smem.index(sp).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+            mbarrier.arrive(other_turn, count=1)
+            sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # the scores are in; P V may still run
+            p, m_i, l_i, alpha = _softmax_tile(sc, m_i, l_i, i, n_core, n0, raw_lo, a_end, T0, n_t, lo_t, t, qk_scale,
+                                               BLOCK_N, s_layout)
+            acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
+            mbarrier.arrive(empty.index(sp), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        sl = (it + n_tiles - 1) % STAGES
+        mbarrier.wait(my_turn, ((n_turns + n_tiles) & 1) ^ (1 - WG))
+        a_tok = warpgroup_mma(p_op, v_smem.index(sl).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
+        mbarrier.arrive(empty.index(sl), count=1)
+        it += n_tiles
+        n_turns += n_tiles + 1
+
+        l_i = gl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees itself
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        head_o, t_o, ok_o = _stacked_rows(ro, chunk, r_base, n_stack, L, HP, BMP)
+        hq_o = (c * n_stack + head_o).to(gl.int64)
+        gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + do[None, :],
+                 out.to(O.dtype.element_ty), mask=ok_o[:, None] & (do[None, :] < HEAD_DIM))
+        head_s, t_s, ok_s = _stacked_rows(rs, chunk, r_base, n_stack, L, HP, BMP)
+        hq_s = (c * n_stack + head_s).to(gl.int64)
+        gl.store(LSE + (b64 * n_heads + hq_s) * L + t_s, m_i + gl.log2(l_i), mask=ok_s)
 
 
 @gluon.jit
 def _fwd_kernel(Q, O, LSE, QPOS, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s_ql, s_ob, s_oh, s_ol,
-                L, R, G, S, n_heads, n_core_heads, n_stack, n_rep, n_chunks, qk_scale,
+                L, R, G, S, n_heads, n_hb, n_core_heads, n_stack, n_rep, n_chunks, n_items, qk_scale,
                 HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr, HP: gl.constexpr,
-                BMP: gl.constexpr, STAGES: gl.constexpr, OFFSET: gl.constexpr):
-    # 1-D grid, heads fastest and the longest (last) position blocks first (cca_triton._query_tile)
-    pid = gl.program_id(0)
-    n_blocks = gl.cdiv(L, 2 * BMP)
-    n_hb = gl.num_programs(0) // n_blocks
-    hb = pid % n_hb
-    blk = n_blocks - 1 - pid // n_hb
-    b = hb // (n_core_heads * n_chunks)
-    c = (hb // n_chunks) % n_core_heads
-    chunk = hb % n_chunks
-    j = (c * n_stack) // n_rep  # KV head of the raw keys
-    if OFFSET:  # a chunk after a prefill: row i sits at position QPOS[b] + i, raw key column u at QPOS[b] - R + u
-        q_start = gl.load(QPOS + b)
-    else:  # whole sequences: rows and columns are positions
-        q_start = blk * 0
-    kb = q_start - R
-    row0 = blk * 2 * BMP
-    T0 = row0 + q_start  # positions (the spec's t) of the program's first and last rows
-    T1 = gl.minimum(row0 + 2 * BMP, L) - 1 + q_start
-    n0 = _n_visible(T0, G, S)
-    n1 = _n_visible(T1, G, S)
-    n_core = gl.cdiv(n1, BLOCK_N)
-    raw_lo = n0 * G
-    n_tiles = n_core + gl.cdiv(T1 + 1 - raw_lo, BLOCK_N)
-
+                BMP: gl.constexpr, STAGES: gl.constexpr, OFFSET: gl.constexpr, ITEMS: gl.constexpr):
+    # ITEMS work items (``_fwd_item``) in turn: the load warp fetches the next item's first tiles while the warpgroups
+    # finish the last one's, instead of a new program filling its pipeline from cold (one program fits on an SM).
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, BLOCK_D], smem_layout)
     # the ring holds the descriptors' [1, 1, BLOCK_N, BLOCK_D] boxes; the matmuls view each as [BLOCK_N, BLOCK_D]
@@ -238,17 +268,18 @@ def _fwd_kernel(Q, O, LSE, QPOS, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s
         mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    x_lo = gl.program_id(0) * ITEMS
+    x_hi = gl.minimum(x_lo + ITEMS, n_items)
 
-    a_end = n1 * G
     gl.warp_specialize([
-        (_consumer_partition, (Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob, s_oh,
-                               s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end,
-                               n_tiles, qk_scale, 0, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
-        (_consumer_partition, (Q, O, LSE, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob, s_oh,
-                               s_ol, b, c, chunk, row0, T0, L, G, S, n_heads, n_stack, n_core, n0, raw_lo, a_end,
-                               n_tiles, qk_scale, 1, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES)),
-        (_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j, n_core, raw_lo,
-                           kb, n_tiles, BLOCK_N, BLOCK_D, STAGES)),
+        (_consumer_partition, (Q, O, LSE, QPOS, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob,
+                               s_oh, s_ol, L, R, G, S, n_heads, n_hb, n_core_heads, n_stack, n_rep, n_chunks, x_lo,
+                               x_hi, qk_scale, 0, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES, OFFSET)),
+        (_consumer_partition, (Q, O, LSE, QPOS, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh, s_ql, s_ob,
+                               s_oh, s_ol, L, R, G, S, n_heads, n_hb, n_core_heads, n_stack, n_rep, n_chunks, x_lo,
+                               x_hi, qk_scale, 1, HEAD_DIM, BLOCK_D, BLOCK_N, HP, BMP, STAGES, OFFSET)),
+        (_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, QPOS, L, R, G, S, n_hb,
+                           n_core_heads, n_stack, n_rep, n_chunks, x_lo, x_hi, BLOCK_N, BMP, STAGES, OFFSET)),
     ], [4, 1], [240, 24])
 
 
@@ -290,13 +321,14 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
     (``cca_triton._stack``)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.B, dims.H, dims.L), dtype=torch.float32, device=q.device)
-    grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, 2 * bmp),)
+    n_hb = dims.B * dims.C * n_chunks
+    n_items = n_hb * triton.cdiv(dims.L, 2 * bmp)
     offset = q_pos is not None
-    _fwd_kernel[grid](
+    _fwd_kernel[(triton.cdiv(n_items, ITEMS),)](
         q, o, lse, q_pos if offset else lse, *_key_descriptors(k, v, kc, vc, dims, BLOCK_N), *q.stride()[:3],
-        *o.stride()[:3], dims.L, key_lead, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks,
-        dims.qk_scale, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES,
-        OFFSET=offset, num_warps=4,
+        *o.stride()[:3], dims.L, key_lead, dims.G, dims.S, dims.H, n_hb, dims.C, dims.n_stack, dims.rep, n_chunks,
+        n_items, dims.qk_scale, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, BLOCK_N=BLOCK_N, HP=hp, BMP=bmp, STAGES=STAGES,
+        OFFSET=offset, ITEMS=ITEMS, num_warps=4,
     )
     return o, lse
 

@@ -475,6 +475,8 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
      pytest.param(1, 14, 2, 2000, 80, 16, 300, torch.bfloat16, {"transposed": True}, id="gqa7-hd80-strided"),
      pytest.param(2, 4, 4, 1000, 128, 16, 100, torch.float16, {"per_seq_rope": True}, id="mha-fp16"),
      pytest.param(1, 4, 1, 37, 128, 4, 6, torch.bfloat16, {}, id="short-g4"),
+     # one stack of heads (pooling kv): a program's two work items are neighbouring blocks of different lengths
+     pytest.param(1, 4, 1, 3001, 128, 16, 200, torch.bfloat16, {}, id="one-stack-gqa4"),
      pytest.param(1, 8, 2, 1, 128, 16, 100, torch.bfloat16, {}, id="one-token")],
 )
 def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
