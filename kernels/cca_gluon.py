@@ -42,7 +42,8 @@ from .tma import tma_ok
 BLOCK_M = gl.constexpr(64)  # stacked query rows per consumer warpgroup (the smallest wgmma M)
 BLOCK_N = 128
 # Work items per program. Against 1, 2 took 1-4% off the forward on an H100 (8K-128K, GQA 4/7, hd 64/128); 3 and 4
-# did no better, and one program per SM (all items, statically strided) lost 7% at 128K in one run of two.
+# did no better on average, and one program per SM (all items, statically strided) lost 7% at 128K in one run of two
+# (benchmarks/results/attention-h100-two-items.md).
 ITEMS = 2
 STAGES = 3  # 2 x 64 x 128 q rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
 
