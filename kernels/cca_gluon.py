@@ -82,10 +82,10 @@ def _stacked_rows(i, chunk, t_base, n_stack, L, HP: gl.constexpr, BMP: gl.conste
 def _fwd_item(x, QPOS, L, R, G, S, n_hb, n_core_heads, n_stack, n_rep, n_chunks, BLOCK_N: gl.constexpr,
               BMP: gl.constexpr, OFFSET: gl.constexpr):
     """Work item x: 2 x BMP positions of a stack of query heads (n_hb: batch x core heads x head chunks); heads
-    fastest and the longest (last) position blocks first (``cca_triton._query_tile``'s order), so the items a program
-    takes in turn are about as long as every other program's. Returns the batch, core head, head chunk, KV head,
-    first row and its position, the raw keys' column offset, the core tokens every row sees (n0) and the last row
-    sees (n1), and the counts of core tiles and of all key tiles."""
+    fastest and the longest (last) position blocks first (``cca_triton._query_tile``'s order), so a program's items
+    are neighbours of about the same length and the shortest start last. Returns the batch, core head, head chunk,
+    KV head, first row and its position, the raw keys' column offset, the core tokens every row sees (n0) and the
+    last row sees (n1), and the counts of core tiles and of all key tiles."""
     hb = x % n_hb
     blk = gl.cdiv(L, 2 * BMP) - 1 - x // n_hb
     b = hb // (n_core_heads * n_chunks)
