@@ -64,6 +64,14 @@ def _operand_layout(acc_layout):
 _LOAD_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
+@gluon.constexpr_function
+def _delta_layout(block_d):
+    """Registers of [64, block_d] o and do rows as Triton lays out ``cca_triton._delta_kernel``'s tiles (16 bytes per
+    thread, a row's threads side by side), so that the dq pass's sums <o_t, do_t> are that kernel's, bit for bit."""
+    lanes = block_d // 8
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
+
+
 @gluon.jit
 def _n_visible(t, G, S):
     return gl.maximum(t + 1 - S, 0) // G
@@ -585,15 +593,16 @@ def _dq_load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, 
 
 
 @gluon.jit
-def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
-                           s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S, n_heads,
+def _dq_consumer_partition(Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                           s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L,
+                           G, S, n_heads,
                            n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale, sm_scale,
                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
                            BMP: gl.constexpr, STAGES: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(DQ_KEYS)
     acc_layout: gl.constexpr = _mma_layout(BLOCK_D)
     a_layout: gl.constexpr = _operand_layout(acc_layout)
-    ld_layout: gl.constexpr = _LOAD_LAYOUT
+    ld_layout: gl.constexpr = _delta_layout(BLOCK_D)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     b64 = b.to(gl.int64)
 
@@ -606,16 +615,21 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
     q_my = q_smem.index(WG)
     do_my = do_smem.index(WG)
     q_my.store(gl.load(Q + b64 * s_qb + hq[:, None] * s_qh + t_ld[:, None] * s_ql + d[None, :], mask=mask, other=0.0))
-    do_my.store(gl.load(DO + b64 * s_ob + hq[:, None] * s_oh + t_ld[:, None] * s_ol + d[None, :], mask=mask,
-                        other=0.0))
+    do_rows = gl.load(DO + b64 * s_ob + hq[:, None] * s_oh + t_ld[:, None] * s_ol + d[None, :], mask=mask, other=0.0)
+    o_rows = gl.load(O + b64 * s_yb + hq[:, None] * s_yh + t_ld[:, None] * s_yl + d[None, :], mask=mask, other=0.0)
+    do_my.store(do_rows)
     fence_async_shared()
     gl.thread_barrier()  # all 128 threads stored their rows before the wgmma reads the tiles
+
+    # delta_t = <o_t, do_t> (FlashAttention-2's backward preprocessing) of these rows, kept for the dk/dv passes
+    delta_ld = gl.sum(o_rows.to(gl.float32) * do_rows.to(gl.float32), 1)
+    gl.store(DELTA + (b64 * n_heads + hq) * L + t_ld, delta_ld, mask=ok)
+    delta = gl.convert_layout(delta_ld, row_s)
 
     i_s = WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     head_s, t, ok_s = _stacked_rows(i_s, chunk, T0, n_stack, L, HP, BMP)
     stat = (b64 * n_heads + c * n_stack + head_s) * L + t
     lse = gl.load(LSE + stat, mask=ok_s, other=float("inf"))  # +inf: padding rows get p = 0
-    delta = gl.load(DELTA + stat, mask=ok_s, other=0.0)
     n_t = _n_visible(t, G, S)
     lo_t = n_t * G
     zero_s = gl.zeros([BLOCK_M, DQ_KEYS], gl.float32, s_layout)
@@ -664,8 +678,8 @@ def _dq_consumer_partition(Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_sme
 
 
 @gluon.jit
-def _dq_kernel(Q, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
-               s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl,
+def _dq_kernel(Q, O, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
+               s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl,
                L, G, S, n_heads, n_core_heads, n_stack, n_rep, n_chunks, qk_scale, sm_scale,
                HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr,
                STAGES: gl.constexpr):
@@ -696,12 +710,14 @@ def _dq_kernel(Q, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
         mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
 
     gl.warp_specialize([
-        (_dq_consumer_partition, (Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
-                                  s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S,
+        (_dq_consumer_partition, (Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                                  s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk,
+                                  T0, L, G, S,
                                   n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
                                   sm_scale, 0, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
-        (_dq_consumer_partition, (Q, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
-                                  s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L, G, S,
+        (_dq_consumer_partition, (Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
+                                  s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk,
+                                  T0, L, G, S,
                                   n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
                                   sm_scale, 1, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
         (_dq_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j,
@@ -709,18 +725,20 @@ def _dq_kernel(Q, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
     ], [4, 1], [240, 24])
 
 
-def dq(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks):
-    """dq as ``cca_triton._dq_kernel`` (same tiles, same order); ``hp``, ``bmp``, ``n_chunks``: its stacking of
-    query heads into DQ_ROWS rows (``cca_triton._stack``)."""
+def dq(q, k, v, kc, vc, o, do, lse, dims, hp, bmp, n_chunks):
+    """(dq, delta): dq as ``cca_triton._dq_kernel`` (same tiles, same order), and delta as ``cca_triton._delta_kernel``
+    (the rows' <o, do>, which the dk/dv passes read), computed on the way instead of in a pass of its own; ``hp``,
+    ``bmp``, ``n_chunks``: the stacking of query heads into DQ_ROWS rows (``cca_triton._stack``)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    delta = torch.empty_like(lse)
     grid = (dims.B * dims.C * n_chunks * triton.cdiv(dims.L, bmp),)
     _dq_kernel[grid](
-        q, do, lse, delta, out, *_key_descriptors(k, v, kc, vc, dims, DQ_KEYS.value),
-        *q.stride()[:3], *do.stride()[:3], *out.stride()[:3],
+        q, o, do, lse, delta, out, *_key_descriptors(k, v, kc, vc, dims, DQ_KEYS.value),
+        *q.stride()[:3], *o.stride()[:3], *do.stride()[:3], *out.stride()[:3],
         dims.L, dims.G, dims.S, dims.H, dims.C, dims.n_stack, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
         HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=DQ_STAGES, num_warps=4,
     )
-    return out
+    return out, delta
 
 
 def bwd_applies(stacking, q, do, keys, values) -> bool:

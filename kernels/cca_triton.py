@@ -543,10 +543,6 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
 
 def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     B, H, L, D = q.shape
-    delta = torch.empty_like(lse)
-    _delta_kernel[(B * H, triton.cdiv(L, 64))](
-        o, do, delta, *_strides(o), *_strides(do), L, H, HEAD_DIM=D, BLOCK_D=dims.block_d, BLOCK=64
-    )
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
 
     # The Gluon kernels (default, unless use_gluon=False) where they apply; the Triton ones elsewhere.
@@ -554,8 +550,12 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     bm, bn, warps, stages = _config("dq", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     if gluon and (bm, bn) == (cca_gluon.DQ_ROWS, cca_gluon.DQ_KEYS.value):  # its tiles are the Triton kernel's
-        dq = cca_gluon.dq(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks)
+        dq, delta = cca_gluon.dq(q, k, v, kc, vc, o, do, lse, dims, hp, bmp, n_chunks)  # delta on the way
     else:
+        delta = torch.empty_like(lse)
+        _delta_kernel[(B * H, triton.cdiv(L, 64))](
+            o, do, delta, *_strides(o), *_strides(do), L, H, HEAD_DIM=D, BLOCK_D=dims.block_d, BLOCK=64
+        )
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _dq_kernel[(B * dims.C * n_chunks * triton.cdiv(L, bmp),)](
             q, k, v, kc, vc, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(kc),
