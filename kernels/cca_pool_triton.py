@@ -122,7 +122,7 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
                      s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_cb, s_cl,
                      s_gb, s_gh, s_gl,  # dq
                      s_db, s_dh, s_dl,  # dk_rot, dk and dv (same shape, contiguous)
-                     P, G, n_kv, n_core, scale,
+                     P, G, n_kv, n_core, n_split, s_split, scale,
                      N_REP: tl.constexpr, KV_POOL: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_H: tl.constexpr, FROM_ROT: tl.constexpr):
     p, b, j, i, rows, row_ok, m2, hm = _group_index(P, G, n_kv, BLOCK_G, BLOCK_H, HALF)
@@ -147,6 +147,12 @@ def _pool_bwd_kernel(QR, KR, K, V, COS, SIN, DKC, DVC, DQ, DKR, DK, DV,
         core = ((b * n_core + c) * P + p) * (2 * HALF) + i
         g1, g2 = _load_halves(DKC + core, hm, HALF)  # d loss / d k_core (after RoPE)
         dvc1, dvc2 = _load_halves(DVC + core, hm, HALF)
+        for sp in range(1, n_split):  # the attention kernels' partial sums, added in order
+            part = core + sp * s_split.to(tl.int64)
+            a1, a2 = _load_halves(DKC + part, hm, HALF)
+            g1, g2 = g1 + a1, g2 + a2
+            a1, a2 = _load_halves(DVC + part, hm, HALF)
+            dvc1, dvc2 = dvc1 + a1, dvc2 + a2
         dkp1 = g1 * c1 + g2 * s2  # transpose of the RoPE at the middle position
         dkp2 = g2 * c2 - g1 * s1
         dw = tl.sum(k1 * dkp1[None, :] + k2 * dkp2[None, :] + v1 * dvc1[None, :] + v2 * dvc2[None, :], 1)
@@ -230,9 +236,14 @@ def pool_forward(q_rot, k_rot, k, v, cos, sin, group_size, pooling, scale, start
 def pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, group_size, pooling, scale):
     """Adds the pooling's gradients into ``dq``/``dk_rot``/``dv`` (in place, contiguous) and returns the
     gradient w.r.t. the pre-RoPE ``k`` through the pooled keys; ``k`` None (pooled from ``unapply_rope(k_rot)``):
-    that gradient goes into ``dk_rot`` too, and None is returned. ``dkc``/``dvc``: any float dtype."""
+    that gradient goes into ``dk_rot`` too, and None is returned. ``dkc``/``dvc``: any float dtype, (B, C, P, d) or
+    (n_split, B, C, P, d) partial sums (added up here in fp32, in order: no pass of their own)."""
     meta = _meta(q_rot, v, group_size, pooling, k is None, backward=True)
     dkc, dvc = dkc.contiguous(), dvc.contiguous()
+    if dkc.shape != dvc.shape or dkc.dim() not in (4, 5):
+        raise ValueError(f"dkc/dvc must both be (B, C, P, d) or (n_split, B, C, P, d), got {tuple(dkc.shape)} and "
+                         f"{tuple(dvc.shape)}")
+    n_split = dkc.shape[0] if dkc.dim() == 5 else 1
     # rows past the last group get no gradient from the pooling
     dk = None if k is None else torch.zeros(dk_rot.shape, dtype=dk_rot.dtype, device=dk_rot.device)
     k_in, dk_out = (k_rot, dk_rot) if k is None else (k, dk)  # (FROM_ROT: neither is read nor written)
@@ -240,6 +251,7 @@ def pool_backward(dkc, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, group_
         _pool_bwd_kernel[(q_rot.shape[0] * meta["n_kv"] * meta["P"],)](
             q_rot, k_rot, k_in, v, cos, sin, dkc, dvc, dq, dk_rot, dk_out, dv,
             *_strides(q_rot), *_strides(k_rot), *_strides(k_in), *_strides(v), *table_strides(cos),
-            *_strides(dq), *_strides(dk_rot), scale=scale, **meta,
+            *_strides(dq), *_strides(dk_rot), n_split=n_split, s_split=dkc[0].numel(),
+            scale=scale, **meta,
         )
     return dk

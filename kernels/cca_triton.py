@@ -594,7 +594,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     if gluon_core:
         dkc, dvc = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw=False,
                                   n_split=n_split)
-        return dq, dk, dv, dkc.sum(0), dvc.sum(0)
+        return dq, dk, dv, dkc, dvc
     dkc = torch.empty((n_split, B, dims.C, dims.P, D), dtype=torch.float32, device=q.device)
     dvc = torch.empty_like(dkc)
     _dkdv_core_kernel[(n_blocks * n_split,)](
@@ -602,7 +602,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
         L, dims.P, dims.G, dims.S, H, dims.C, dims.n_stack, n_chunks, n_split, dims.qk_scale, dims.sm_scale,
         BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
     )
-    return dq, dk, dv, dkc.sum(0), dvc.sum(0)  # core grads stay fp32 for the pooling backward
+    return dq, dk, dv, dkc, dvc  # the core tokens' fp32 partial sums: the pooling backward adds them up
 
 
 class _CCAAttentionFn(torch.autograd.Function):

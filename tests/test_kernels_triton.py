@@ -162,6 +162,16 @@ def test_pooling_kernels_match_reference(B, H, Hkv, L, d, g, pooling):
     for name, a, b in zip(("dq_rot", "dk_rot", "dk", "dv"), got, (want_grads[0], want_grads[1], want_grads[2], want_grads[3])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
+    # The core-token gradients as the attention kernels' (n_split, ...) partial sums: the backward adds them up.
+    parts_k, parts_v = torch.randn((3, *dkc.shape)), torch.randn((3, *dvc.shape))
+    parts_k[2], parts_v[2] = dkc - parts_k[0] - parts_k[1], dvc - parts_v[0] - parts_v[1]
+    dq, dk_rot, dv = (x.clone() for x in base)
+    dk = pool.pool_backward(parts_k, parts_v, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, g, pooling, scale)
+    for name, a, b in zip(("dq_rot", "dk_rot", "dk", "dv"), (dq - base[0], dk_rot - base[1], dk, dv - base[2]), got):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"partial sums {n}: {m}")
+    with pytest.raises(ValueError, match="n_split"):
+        pool.pool_backward(parts_k, dvc, q_rot, k_rot, k, v, cos, sin, dq, dk_rot, dv, g, pooling, scale)
+
     # No pre-RoPE k: un-rotated from k_rot; its gradient share goes back through the un-rotation into dk_rot.
     kc, vc = pool.pool_forward(q_rot, k_rot, None, v, cos, sin, g, pooling, scale)
     torch.testing.assert_close(kc, want_kc, atol=1e-5, rtol=1e-5)
