@@ -16,7 +16,8 @@ back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 50
 (``benchmarks/results/attention-h200-kv.md``). Its numbers against the Triton forward's: see ``cca_triton._forward``.
 
 **Backward** (default): ``cca_triton``'s dq pass (each consumer warpgroup holds 64 of the dq kernel's 128 stacked query
-rows; the load warp streams its 64-key tiles) and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64
+rows; the load warp streams its 64-key tiles; it also computes delta, the rows' <o, do>, instead of a pass of its own)
+and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64
 keys each, where query heads are stacked: ``bwd_applies``), with TMA load warps. Same tiles, same order as the Triton
 kernels, so the same numbers (``benchmarks/results/attention-h100-gluon-bwd.md``).
 
