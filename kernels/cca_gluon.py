@@ -17,9 +17,9 @@ back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 50
 
 **Backward** (default): ``cca_triton``'s dq pass (each consumer warpgroup holds 64 of the dq kernel's 128 stacked query
 rows; the load warp streams its 64-key tiles; it also computes delta, the rows' <o, do>, instead of a pass of its own)
-and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64
-keys each, where query heads are stacked: ``bwd_applies``), with TMA load warps. Same tiles, same order as the Triton
-kernels, so the same numbers (``benchmarks/results/attention-h100-gluon-bwd.md``).
+and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64 keys each, where query heads are stacked:
+``bwd_applies``), with TMA load warps. Same tiles, same order as the Triton kernels, so the same numbers
+(``benchmarks/results/attention-h100-gluon-bwd.md``).
 
 Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernels, and the GPU tests hold these to the reference
 and to the Triton kernels.
@@ -596,8 +596,8 @@ def _dq_load_partition(kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, 
 @gluon.jit
 def _dq_consumer_partition(Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
                            s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk, T0, L,
-                           G, S, n_heads,
-                           n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale, sm_scale,
+                           G, S, n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
+                           sm_scale,
                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
                            BMP: gl.constexpr, STAGES: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(DQ_KEYS)
@@ -713,14 +713,12 @@ def _dq_kernel(Q, O, DO, LSE, DELTA, DQ, kc_desc, vc_desc, k_desc, v_desc,
     gl.warp_specialize([
         (_dq_consumer_partition, (Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
                                   s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk,
-                                  T0, L, G, S,
-                                  n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
-                                  sm_scale, 0, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
+                                  T0, L, G, S, n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles,
+                                  qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
         (_dq_consumer_partition, (Q, O, DO, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, ready, empty,
                                   s_qb, s_qh, s_ql, s_yb, s_yh, s_yl, s_ob, s_oh, s_ol, s_db, s_dh, s_dl, b, c, chunk,
-                                  T0, L, G, S,
-                                  n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, qk_scale,
-                                  sm_scale, 1, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
+                                  T0, L, G, S, n_heads, n_stack, n0, n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles,
+                                  qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_D, HP, BMP, STAGES)),
         (_dq_load_partition, (kc_desc, vc_desc, k_desc, v_desc, k_smem, v_smem, ready, empty, b, c, j,
                               n_core, r1_lo, n_r1, a_end, n_r2, b_end, n_tiles, STAGES)),
     ], [4, 1], [240, 24])
