@@ -516,10 +516,12 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     # rows: the same softmax, rounded in another order. Its gradients are as close to fp32 as the Triton forward's:
     # on 16 tiny qwen2 checkpoints, with and without LoRA, the model-level check's worst gradient error/limit averaged
     # 0.699 against 0.698 and each forward went past 1 on 2-3 of the 32 (benchmarks/gradient_sweep.py; results/).
-    gluon = cca_gluon is not None and use_tma is not False and cca_gluon.applies(q, k, v, kc, vc, dims.block_d)
+    # (the Gluon softmax scales each row's max of the raw scores: a positive scale)
+    gluon = (cca_gluon is not None and use_tma is not False and dims.qk_scale > 0
+             and cca_gluon.applies(q, k, v, kc, vc, dims.block_d))
     if use_gluon and not gluon:
-        raise ValueError("use_gluon=True needs triton's Gluon, a Hopper (sm_90) GPU, 16-bit inputs, head_dim <= 128 "
-                         "and TMA-aligned keys/values (its tiles come by TMA: not with use_tma=False)")
+        raise ValueError("use_gluon=True needs triton's Gluon, a Hopper (sm_90) GPU, 16-bit inputs, head_dim <= 128, "
+                         "a positive scale and TMA-aligned keys/values (its tiles come by TMA: not with use_tma=False)")
     if gluon and use_gluon is not False:
         return cca_gluon.forward(q, k, v, kc, vc, dims, *_stack(dims.n_stack, cca_gluon.BLOCK_M.value), q_pos, key_lead)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -466,11 +466,17 @@ def test_gpu_use_gluon_runs_the_gluon_forward():
         gluon_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True)
         default = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100)
         triton_fwd = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=False)
+        # the Gluon softmax scales the raw scores' row max, which takes a positive scale: others run the Triton forward
+        negative = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, scale=-0.05)
+        negative_triton = tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, scale=-0.05, use_gluon=False)
     finally:
         tri.cca_gluon.forward = real
     assert calls == [1, 1]
     assert torch.equal(default, gluon_fwd)
     torch.testing.assert_close(gluon_fwd, triton_fwd, atol=2e-2, rtol=0)
+    assert torch.equal(negative, negative_triton)
+    with pytest.raises(ValueError, match="a positive scale"):
+        tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, scale=-0.05, use_gluon=True)
     with pytest.raises(ValueError, match="not with use_tma=False"):
         tri.cca_attention_triton(q, k, v, cos, sin, 16, 100, use_gluon=True, use_tma=False)
 
