@@ -516,7 +516,8 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     # rows: the same softmax, rounded in another order. Its gradients are as close to fp32 as the Triton forward's:
     # on 16 tiny qwen2 checkpoints, with and without LoRA, the model-level check's worst gradient error/limit averaged
     # 0.699 against 0.698 and each forward went past 1 on 2-3 of the 32 (benchmarks/gradient_sweep.py; results/).
-    # (the Gluon softmax scales each row's max of the raw scores: a positive scale)
+    # That sweep predates the Gluon softmax's FFMA (eb70f96), which left its errors against fp32 unchanged at four
+    # shapes (results/attention-h100-ffma.md) and takes a positive scale (it scales each row's max of the raw scores).
     gluon = (cca_gluon is not None and use_tma is not False and dims.qk_scale > 0
              and cca_gluon.applies(q, k, v, kc, vc, dims.block_d))
     if use_gluon and not gluon:
