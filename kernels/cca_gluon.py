@@ -256,17 +256,14 @@ def _consumer_partition(Q, O, LSE, QPOS, q_smem, k_smem, v_smem, ready, empty, t
             # padded head dim (80), which keeps the direct store (benchmarks/results/attention-h100-ostage.md)
             q_my.store(out.to(O.dtype.element_ty))
             gl.thread_barrier()
-            out_rows = q_my.load(ld_layout)
+            out, row, col = q_my.load(ld_layout), r, d
             gl.thread_barrier()  # every row read before the next item's q overwrites the tile
-            head_o, t_o, ok_o = _stacked_rows(r, chunk, r_base, n_stack, L, HP, BMP)
-            hq_o = (c * n_stack + head_o).to(gl.int64)
-            gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + d[None, :], out_rows,
-                     mask=ok_o[:, None])
         else:
-            head_o, t_o, ok_o = _stacked_rows(ro, chunk, r_base, n_stack, L, HP, BMP)
-            hq_o = (c * n_stack + head_o).to(gl.int64)
-            gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + do[None, :],
-                     out.to(O.dtype.element_ty), mask=ok_o[:, None] & (do[None, :] < HEAD_DIM))
+            out, row, col = out.to(O.dtype.element_ty), ro, do
+        head_o, t_o, ok_o = _stacked_rows(row, chunk, r_base, n_stack, L, HP, BMP)
+        hq_o = (c * n_stack + head_o).to(gl.int64)
+        gl.store(O + b64 * s_ob + hq_o[:, None] * s_oh + t_o[:, None] * s_ol + col[None, :], out,
+                 mask=ok_o[:, None] & (col[None, :] < HEAD_DIM))
         head_s, t_s, ok_s = _stacked_rows(rs, chunk, r_base, n_stack, L, HP, BMP)
         hq_s = (c * n_stack + head_s).to(gl.int64)
         gl.store(LSE + (b64 * n_heads + hq_s) * L + t_s, m_i + gl.log2(l_i), mask=ok_s)
