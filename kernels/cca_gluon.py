@@ -19,7 +19,8 @@ back), and a dense probe on an H200 put this structure at 590 TFLOP/s against 50
 rows; the load warp streams its 64-key tiles; it also computes delta, the rows' <o, do>, instead of a pass of its own)
 and its two dk/dv passes (raw keys, core tokens; two warpgroups of 64 keys each, where query heads are stacked:
 ``bwd_applies``), with TMA load warps. Same tiles, same order as the Triton kernels, so the same numbers
-(``benchmarks/results/attention-h100-gluon-bwd.md``).
+(``benchmarks/results/attention-h100-gluon-bwd.md``), except the core tokens' dk/dv: their rows are summed in bands,
+top down, for L2's sake (last bits).
 
 Gluon has no interpreter: the CPU tests run ``cca_triton``'s kernels, and the GPU tests hold these to the reference
 and to the Triton kernels.
@@ -359,16 +360,22 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # --------------------------------------------------------------------------------------------------
 # One program owns 128 keys: two consumer warpgroups hold 64 keys each (their k/v tiles in shared memory, their dk and
 # dv accumulators in registers), and a load warp streams the tiles of stacked query rows (q, do: HP heads x BMP
-# positions, by TMA boxes of [1, HP, BMP, d]) that both consume. Same contract as ``cca_triton``'s two dk/dv kernels:
-# the same rows visited in the same order, the same masks, the same outputs.
+# positions, by TMA boxes of [1, HP, BMP, d]) that both consume. Same contract as ``cca_triton``'s two dk/dv kernels,
+# and for the raw keys the same rows in the same order, so the same numbers. The core tokens' pass splits its rows
+# into ``n_split`` bands at fixed positions, the top band first, and walks each from the top down: a band's key blocks
+# start together and read its rows in step, out of L2 (12% off the core pass at 128K; the Triton kernel splits each
+# block's rows from its first row up, so their sums differ in the last bits). ``cca_triton._backward`` runs the two
+# passes side by side, so either fills the SMs the other leaves idle at its end
+# (``benchmarks/results/attention-h100-dkdv-bands.md``).
 BWD_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M)
 BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB
 
 
 @gluon.jit
 def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, BMP: gl.constexpr):
-    """This program's (batch x head, first key) and its rows as three runs of BMP-position tiles: masked, mask-free,
-    masked (``cca_triton._dkdv_raw_kernel`` / ``_dkdv_core_kernel``'s loops, in the same order)."""
+    """This program's (batch x head, split, first key) and its rows as runs of BMP-position tiles. Raw keys: masked,
+    mask-free, masked (``cca_triton._dkdv_raw_kernel``'s loops); core tokens: mask-free, masked (the rows of one band,
+    walked top down by ``_bwd_tile``)."""
     n_blk = gl.cdiv(n_cols, 2 * BWD_KEYS)
     if RAW:
         n_bh = n_programs // n_blk
@@ -386,47 +393,55 @@ def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, 
         n_f = gl.cdiv(gl.maximum(gl.minimum(b_end, q_hi) - a_end, 0), BMP)
         m2_lo = b_end
         n_m2 = gl.cdiv(gl.maximum(q_hi - b_end, 0), BMP)
-    else:
+    else:  # the core tokens' rows in bands: the top band first, and in a band the first core blocks (most rows) first
         n_bh = n_programs // (n_blk * n_split)
         bh = pid % n_bh
-        split = (pid // n_bh) % n_split
-        k0 = (pid // (n_bh * n_split)) * 2 * BWD_KEYS  # first core blocks (most rows) first
-        t_lo = (k0 + 1) * G + S - 1
-        t_full = (k0 + 2 * BWD_KEYS) * G + S - 1
-        a_end = t_lo + gl.cdiv(gl.maximum(t_full - t_lo, 0), BMP) * BMP
-        n_free = gl.cdiv(gl.maximum(L - a_end, 0), BMP)
-        per = gl.cdiv(n_free, n_split)
-        f_lo = a_end + split * per * BMP
-        f_hi = gl.minimum(f_lo + per * BMP, L)
+        split = n_split - 1 - pid // (n_bh * n_blk)
+        k0 = ((pid // n_bh) % n_blk) * 2 * BWD_KEYS
+        t_lo = (k0 + 1) * G + S - 1  # the first row seeing core token k0
+        a_end = t_lo + gl.cdiv((2 * BWD_KEYS - 1) * G, BMP) * BMP  # from here on, rows see the whole block
+        base = G + S - 1 + gl.cdiv((2 * BWD_KEYS - 1) * G, BMP) * BMP  # block 0's a_end: every block's tile grid
+        per = gl.cdiv(gl.cdiv(gl.maximum(L - base, 0), BMP), n_split) * BMP
+        band_lo = base + split * per
+        band_hi = gl.where(split == n_split - 1, L, gl.minimum(band_lo + per, L))
+        f_lo = gl.maximum(a_end, band_lo)
+        n_f = gl.cdiv(gl.maximum(band_hi - f_lo, 0), BMP)
+        # the masked rows below a_end: in the band holding a_end (the last one where a_end is past L)
+        mask_band = gl.minimum(n_split - 1, (a_end - base) // gl.maximum(per, 1))
         m1_lo = t_lo
-        n_m1 = gl.where(split == 0, gl.cdiv(gl.maximum(gl.minimum(a_end, L) - t_lo, 0), BMP), 0)
-        n_f = gl.cdiv(gl.maximum(f_hi - f_lo, 0), BMP)
+        n_m1 = gl.where(split == mask_band, gl.cdiv(gl.maximum(gl.minimum(a_end, L) - t_lo, 0), BMP), 0)
         m2_lo = L * 0  # no third run (tensors, not constants: they are warp_specialize arguments)
         n_m2 = L * 0
     return bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2
 
 
 @gluon.jit
-def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP: gl.constexpr):
-    """Row tile i of the program's list (every head chunk runs the three runs): (chunk, first position, masked)."""
+def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP: gl.constexpr, DESC: gl.constexpr):
+    """Row tile i of the program's list (every head chunk walks the runs): (chunk, first position, masked); DESC (core
+    tokens): the mask-free run, then the masked one below it, from the top down."""
     per = n_m1 + n_f + n_m2
     chunk = i // per
     k = i % per
-    t0 = gl.where(k < n_m1, m1_lo + k * BMP, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * BMP,
-                                                     m2_lo + (k - n_m1 - n_f) * BMP))
-    return chunk, t0, (k < n_m1) | (k >= n_m1 + n_f)
+    if DESC:
+        t0 = gl.where(k < n_f, f_lo + (n_f - 1 - k) * BMP, m1_lo + (n_m1 - 1 - (k - n_f)) * BMP)
+        masked = k >= n_f
+    else:
+        t0 = gl.where(k < n_m1, m1_lo + k * BMP, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * BMP,
+                                                         m2_lo + (k - n_m1 - n_f) * BMP))
+        masked = (k < n_m1) | (k >= n_m1 + n_f)
+    return chunk, t0, masked
 
 
 @gluon.jit
 def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
                         b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles,
-                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+                        RAW: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(2 + w))
     for i in range(n_tiles):
-        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP)
+        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP, not RAW)
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -462,7 +477,7 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
     s_tok = warpgroup_mma(k_my, q_smem.index(0).reshape([BLOCK_M, BLOCK_D]).permute((1, 0)), zero_st, use_acc=False,
                           is_async=True)
     for i in range(n_tiles):
-        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP)
+        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP, not RAW)
         head, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
         stat = (b64 * n_heads + head0 + head) * L + t
         lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
@@ -502,7 +517,7 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
     if RAW:  # dk, dv in the keys' dtype
         gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
-    else:  # fp32 partial sums of this split, added in torch
+    else:  # fp32 partial sums of this band, added in torch
         gl.store(DK + out, dk * sm_scale, mask=mask)
         gl.store(DV + out, dv, mask=mask)
 
@@ -545,7 +560,8 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh
                                    n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, 1, RAW, HEAD_DIM, BLOCK_D, HP, BMP,
                                    STAGES)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
-                               b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, HP, BMP, STAGES)),
+                               b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW, HP, BMP,
+                               STAGES)),
     ], [4, 1], [240, 24])  # registers: the fewest spills of consumer 224-256 / loader 24-56 compiled for sm_90
 
 
@@ -760,8 +776,8 @@ def bwd_applies(stacking, q, do, keys, values) -> bool:
 
 
 def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_split: int = 1):
-    """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens ((n_split, B, C, P, d) fp32
-    partial sums), as ``cca_triton``'s ``_dkdv_raw_kernel`` / ``_dkdv_core_kernel``."""
+    """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens (the (n_split, B, C, P, d)
+    fp32 partial sums of ``n_split`` bands of rows), as ``cca_triton``'s ``_dkdv_raw_kernel`` / ``_dkdv_core_kernel``."""
     q_desc, do_desc = _descriptors([1, hp, bmp, dims.block_d], q, do)
     k_desc, v_desc = _descriptors([1, 1, BWD_KEYS.value, dims.block_d], *((k, v) if raw else (kc, vc)))
     n_cols = dims.L if raw else dims.P

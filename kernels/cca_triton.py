@@ -544,6 +544,18 @@ def _forward(q, k, v, kc, vc, dims, use_tma=None, q_pos=None, key_lead=0, use_gl
     return o, lse
 
 
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The backward's second stream on this device (high priority: the pass on it is the one with long programs)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _SIDE_STREAMS[index]
+
+
 def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     B, H, L, D = q.shape
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
@@ -568,7 +580,20 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
         )
 
     raw_stack = _stack(dims.rep, cca_gluon.BLOCK_M.value) if gluon else None
-    if gluon and cca_gluon.bwd_applies(raw_stack, q, do, k, v):
+    core_stack = _stack(dims.n_stack, cca_gluon.BLOCK_M.value) if gluon else None
+    gluon_raw = gluon and cca_gluon.bwd_applies(raw_stack, q, do, k, v)
+    gluon_core = gluon and dims.P > 0 and cca_gluon.bwd_applies(core_stack, q, do, kc, vc)
+    if gluon_core:
+        # The core tokens' pass on a high-priority side stream, launched first, beside the raw keys' pass: its long
+        # programs start first and the raw keys' fill the SMs it leaves idle at its end (and the other way round).
+        n_blocks = B * dims.C * triton.cdiv(dims.P, 2 * cca_gluon.BWD_KEYS.value)
+        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
+        n_split = max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * core_stack[1])))
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dkc, dvc = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *core_stack, raw=False, n_split=n_split)
+    if gluon_raw:
         dk, dv = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, *raw_stack, raw=True)
     else:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -580,13 +605,15 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
             L, dims.G, dims.S, H, dims.Hkv, dims.rep, n_chunks, dims.qk_scale, dims.sm_scale,
             BLOCK_M=bm, BLOCK_N=bn, HP=hp, BMP=bmp, num_warps=warps, num_stages=stages, **common,
         )
+    if gluon_core:
+        main.wait_stream(side)
+        for x in (dkc, dvc):  # made on the side stream, used and freed on this one
+            x.record_stream(main)
+        return dq, dk, dv, dkc, dvc
 
     if dims.P == 0:
         return dq, dk, dv, kc.float(), vc.float()
     bm, bn, warps, stages = _config("dkdv_core", dims.block_d, q.device, q.dtype)
-    gluon_core = gluon and cca_gluon.bwd_applies(_stack(dims.n_stack, cca_gluon.BLOCK_M.value), q, do, kc, vc)
-    if gluon_core:
-        bm, bn = cca_gluon.BLOCK_M.value, 2 * cca_gluon.BWD_KEYS.value
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     n_blocks = B * dims.C * triton.cdiv(dims.P, bn)
     if q.is_cuda:  # enough programs for ~4 waves; each split still gets >= 16 row blocks
@@ -594,10 +621,6 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
         n_split = max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * bmp)))
     else:  # interpreter: always take the split path, so the tests cover it
         n_split = 2
-    if gluon_core:
-        dkc, dvc = cca_gluon.dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw=False,
-                                  n_split=n_split)
-        return dq, dk, dv, dkc, dvc
     dkc = torch.empty((n_split, B, dims.C, dims.P, D), dtype=torch.float32, device=q.device)
     dvc = torch.empty_like(dkc)
     _dkdv_core_kernel[(n_blocks * n_split,)](
