@@ -363,7 +363,7 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # positions, by TMA boxes of [1, HP, BMP, d]) that both consume. Same contract as ``cca_triton``'s two dk/dv kernels,
 # and for the raw keys the same rows in the same order, so the same numbers. The core tokens' pass splits its rows
 # into ``n_split`` bands at fixed positions, the top band first, and walks each from the top down: a band's key blocks
-# start together and read its rows in step, out of L2 (12% off the core pass at 128K; the Triton kernel splits each
+# start together and read its rows in step, out of L2 (10% off the core pass at 128K; the Triton kernel splits each
 # block's rows from its first row up, so their sums differ in the last bits). ``cca_triton._backward`` runs the two
 # passes side by side, so either fills the SMs the other leaves idle at its end
 # (``benchmarks/results/attention-h100-dkdv-bands.md``).
