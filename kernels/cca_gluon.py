@@ -777,7 +777,8 @@ def bwd_applies(stacking, q, do, keys, values) -> bool:
 
 def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_split: int = 1):
     """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens (the (n_split, B, C, P, d)
-    fp32 partial sums of ``n_split`` bands of rows), as ``cca_triton``'s ``_dkdv_raw_kernel`` / ``_dkdv_core_kernel``."""
+    fp32 partial sums of ``n_split`` bands of rows), as ``cca_triton``'s ``_dkdv_raw_kernel`` /
+    ``_dkdv_core_kernel``."""
     q_desc, do_desc = _descriptors([1, hp, bmp, dims.block_d], q, do)
     k_desc, v_desc = _descriptors([1, 1, BWD_KEYS.value, dims.block_d], *((k, v) if raw else (kc, vc)))
     n_cols = dims.L if raw else dims.P

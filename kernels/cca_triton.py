@@ -556,6 +556,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _core_splits(n_blocks: int, L: int, bmp: int, device: torch.device) -> int:
+    """How many splits (bands, in the Gluon kernel) of their rows the core tokens' dk/dv pass takes: enough programs
+    for ~4 waves of ``n_blocks`` key blocks, each split still >= 16 row blocks of ``bmp`` positions."""
+    if device.type != "cuda":  # interpreter: always take the split path, so the tests cover it
+        return 2
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * bmp)))
+
+
 def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     B, H, L, D = q.shape
     common = dict(HEAD_DIM=D, BLOCK_D=dims.block_d, PREC=dims.prec)
@@ -586,9 +595,8 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     if gluon_core:
         # The core tokens' pass on a high-priority side stream, launched first, beside the raw keys' pass: its long
         # programs start first and the raw keys' fill the SMs it leaves idle at its end (and the other way round).
-        n_blocks = B * dims.C * triton.cdiv(dims.P, 2 * cca_gluon.BWD_KEYS.value)
-        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
-        n_split = max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * core_stack[1])))
+        n_split = _core_splits(B * dims.C * triton.cdiv(dims.P, 2 * cca_gluon.BWD_KEYS.value), L, core_stack[1],
+                               q.device)
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -616,11 +624,7 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     bm, bn, warps, stages = _config("dkdv_core", dims.block_d, q.device, q.dtype)
     hp, bmp, n_chunks = _stack(dims.n_stack, bm)
     n_blocks = B * dims.C * triton.cdiv(dims.P, bn)
-    if q.is_cuda:  # enough programs for ~4 waves; each split still gets >= 16 row blocks
-        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
-        n_split = max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * bmp)))
-    else:  # interpreter: always take the split path, so the tests cover it
-        n_split = 2
+    n_split = _core_splits(n_blocks, L, bmp, q.device)
     dkc = torch.empty((n_split, B, dims.C, dims.P, D), dtype=torch.float32, device=q.device)
     dvc = torch.empty_like(dkc)
     _dkdv_core_kernel[(n_blocks * n_split,)](
