@@ -366,7 +366,9 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # start together and read its rows in step, out of L2 (10% off the core pass at 128K; the Triton kernel splits each
 # block's rows from its first row up, so their sums differ in the last bits). ``cca_triton._backward`` runs the two
 # passes side by side, so either fills the SMs the other leaves idle at its end
-# (``benchmarks/results/attention-h100-dkdv-bands.md``).
+# (``benchmarks/results/attention-h100-dkdv-bands.md``), or, where the raw keys' programs are few (pooling kv, up to
+# ~3 waves), as one launch: the core tokens' programs first, then the raw keys' (1.2-1.45x; the role known at run time
+# costs registers, so the long passes keep a launch each: ``benchmarks/results/attention-h100-dkdv-one-launch.md``).
 BWD_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M)
 BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB
 
@@ -380,7 +382,7 @@ def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, 
     if RAW:
         n_bh = n_programs // n_blk
         bh = pid % n_bh
-        split = 0
+        split = pid * 0
         k0 = (pid // n_bh) * 2 * BWD_KEYS
         k_last = gl.minimum(k0 + 2 * BWD_KEYS, L) - 1
         q_hi = gl.minimum(L, (k_last // G + 1) * G + S - 1)
@@ -416,32 +418,38 @@ def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, 
 
 
 @gluon.jit
-def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP: gl.constexpr, DESC: gl.constexpr):
-    """Row tile i of the program's list (every head chunk walks the runs): (chunk, first position, masked); DESC (core
-    tokens): the mask-free run, then the masked one below it, from the top down."""
+def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, raw, BMP: gl.constexpr):
+    """Row tile i of the program's list (every head chunk walks the runs): (chunk, first position, masked); core
+    tokens: the mask-free run, then the masked one below it, from the top down. ``raw``: constexpr, or (one launch
+    for both passes) known at run time."""
     per = n_m1 + n_f + n_m2
     chunk = i // per
     k = i % per
-    if DESC:
-        t0 = gl.where(k < n_f, f_lo + (n_f - 1 - k) * BMP, m1_lo + (n_m1 - 1 - (k - n_f)) * BMP)
-        masked = k >= n_f
-    else:
+    if raw:
         t0 = gl.where(k < n_m1, m1_lo + k * BMP, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * BMP,
                                                          m2_lo + (k - n_m1 - n_f) * BMP))
         masked = (k < n_m1) | (k >= n_m1 + n_f)
+    else:
+        t0 = gl.where(k < n_f, f_lo + (n_f - 1 - k) * BMP, m1_lo + (n_m1 - 1 - (k - n_f)) * BMP)
+        masked = k >= n_f
     return chunk, t0, masked
 
 
 @gluon.jit
-def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
-                        b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles,
-                        RAW: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar, ready,
+                        empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW,
+                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(2 + w))
+        if RAW:
+            tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
+            tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(2 + w))
+        else:
+            tma.async_copy_global_to_shared(kc_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
+            tma.async_copy_global_to_shared(vc_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar,
+                                            kv_smem.index(2 + w))
     for i in range(n_tiles):
-        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP, not RAW)
+        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, RAW, BMP)
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -450,10 +458,10 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_sme
 
 
 @gluon.jit
-def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
-                            b, head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl,
-                            m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale,
-                            WG: gl.constexpr, RAW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
+                            b, head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl,
+                            m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW,
+                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                             HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     # Transposed tiles (rows = this warpgroup's 64 keys, columns = 64 stacked query rows), as cca_triton._dkdv_tile.
     st_layout: gl.constexpr = _mma_layout(BLOCK_M)
@@ -477,7 +485,7 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
     s_tok = warpgroup_mma(k_my, q_smem.index(0).reshape([BLOCK_M, BLOCK_D]).permute((1, 0)), zero_st, use_acc=False,
                           is_async=True)
     for i in range(n_tiles):
-        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, BMP, not RAW)
+        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, RAW, BMP)
         head, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
         stat = (b64 * n_heads + head0 + head) * L + t
         lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
@@ -518,17 +526,36 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar
         gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
     else:  # fp32 partial sums of this band, added in torch
-        gl.store(DK + out, dk * sm_scale, mask=mask)
-        gl.store(DV + out, dv, mask=mask)
+        gl.store(DKC + out, dk * sm_scale, mask=mask)
+        gl.store(DVC + out, dv, mask=mask)
 
 
 @gluon.jit
-def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh, s_gl,
-                 L, G, S, n_heads, n_kv_heads, n_stack, n_chunks, n_cols, n_split, qk_scale, sm_scale,
-                 RAW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
+def _dkdv_kernel(LSE, DELTA, DK, DV, DKC, DVC, q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, s_gb, s_gh, s_gl,
+                 L, P, G, S, n_heads, n_kv_heads, n_stack, n_chunks, n_split, n_core, qk_scale, sm_scale,
+                 PASS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HP: gl.constexpr,
                  BMP: gl.constexpr, STAGES: gl.constexpr):
-    bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
-        gl.program_id(0), gl.num_programs(0), L, G, S, n_cols, n_split, RAW, BMP)
+    # PASS 0: the raw keys' programs; 1: the core tokens' (n_core of them); 2 (pooling kv, one launch): the core
+    # tokens' programs [0, n_core), then the raw keys'
+    pid = gl.program_id(0)
+    if PASS == 2:
+        RAW = pid >= n_core
+        if RAW:
+            bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
+                pid - n_core, gl.num_programs(0) - n_core, L, G, S, L, n_split, True, BMP)
+            n_cols = L
+        else:
+            bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
+                pid, n_core, L, G, S, P, n_split, False, BMP)
+            n_cols = P
+    else:
+        RAW: gl.constexpr = PASS == 0
+        if RAW:
+            n_cols = L
+        else:
+            n_cols = P
+        bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
+            pid, gl.num_programs(0), L, G, S, n_cols, n_split, RAW, BMP)
     b = bh // n_kv_heads
     kv_head = bh % n_kv_heads  # the KV head (raw keys) or the core head (core tokens) of the keys
     head0 = kv_head * n_stack  # its first query head
@@ -536,8 +563,7 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh
     if RAW:
         out_row0 = b.to(gl.int64) * s_gb + kv_head.to(gl.int64) * s_gh
     else:  # partial sums (n_split, B, C, P, d), contiguous
-        out_row0 = (split * (gl.num_programs(0) // (gl.cdiv(n_cols, 2 * BWD_KEYS) * n_split)) + bh).to(gl.int64) \
-            * n_cols * s_gl
+        out_row0 = (split * (n_core // (gl.cdiv(P, 2 * BWD_KEYS) * n_split)) + bh).to(gl.int64) * P * s_gl
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], do_desc.layout)
@@ -551,17 +577,17 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, q_desc, do_desc, k_desc, v_desc, s_gb, s_gh
         mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
 
     gl.warp_specialize([
-        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b, head0,
-                                   n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, 0, RAW, HEAD_DIM, BLOCK_D, HP, BMP,
+        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
+                                   head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
+                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW, 0, HEAD_DIM, BLOCK_D, HP, BMP,
                                    STAGES)),
-        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b, head0,
-                                   n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gh, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, 1, RAW, HEAD_DIM, BLOCK_D, HP, BMP,
+        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
+                                   head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
+                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW, 1, HEAD_DIM, BLOCK_D, HP, BMP,
                                    STAGES)),
-        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
-                               b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW, HP, BMP,
-                               STAGES)),
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar,
+                               ready, empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW,
+                               HP, BMP, STAGES)),
     ], [4, 1], [240, 24])  # registers: the fewest spills of consumer 224-256 / loader 24-56 compiled for sm_90
 
 
@@ -779,23 +805,40 @@ def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_
     """dk/dv of the raw keys (``raw``: (dk, dv) in the keys' dtype) or of the core tokens (the (n_split, B, C, P, d)
     fp32 partial sums of ``n_split`` bands of rows), as ``cca_triton``'s ``_dkdv_raw_kernel`` /
     ``_dkdv_core_kernel``."""
+    if raw:
+        return _dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, 0, 1)[:2]
+    return _dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, 1, n_split)[2:]
+
+
+def dkdv_one_launch(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, n_split: int):
+    """Both passes in one launch (pooling kv: the core heads stack the raw keys' query heads): (dk, dv, dkc, dvc),
+    the same numbers as ``dkdv``'s two calls."""
+    if (dims.C, dims.n_stack) != (dims.Hkv, dims.rep):
+        raise ValueError("one launch for both dk/dv passes needs pooling kv (the core heads are the KV heads)")
+    return _dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, 2, n_split)
+
+
+def _dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, passes: int, n_split: int):
+    """``_dkdv_kernel``'s PASS 0 (raw keys), 1 (core tokens) or 2 (both): (dk, dv, dkc, dvc), None where not made."""
+    raw, core = passes != 1, passes != 0
     q_desc, do_desc = _descriptors([1, hp, bmp, dims.block_d], q, do)
-    k_desc, v_desc = _descriptors([1, 1, BWD_KEYS.value, dims.block_d], *((k, v) if raw else (kc, vc)))
-    n_cols = dims.L if raw else dims.P
-    n_heads_of_keys = dims.Hkv if raw else dims.C
+    box = [1, 1, BWD_KEYS.value, dims.block_d]
+    k_desc, v_desc = _descriptors(box, *((k, v) if raw else (kc, vc)))
+    kc_desc, vc_desc = _descriptors(box, kc, vc) if core else (k_desc, v_desc)  # one pass: not read
+    dk = dv = dkc = dvc = None
     if raw:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(k.shape, dtype=v.dtype, device=v.device)
-        strides = dk.stride()[:3]
-    else:
-        dk = torch.empty((n_split, dims.B, dims.C, dims.P, dims.D), dtype=torch.float32, device=q.device)
-        dv = torch.empty_like(dk)
-        strides = (0, 0, dims.D)
-    grid = (dims.B * n_heads_of_keys * triton.cdiv(n_cols, 2 * BWD_KEYS.value) * n_split,)
-    _dkdv_kernel[grid](
-        lse, delta, dk, dv, q_desc, do_desc, k_desc, v_desc, *strides,
-        dims.L, dims.G, dims.S, dims.H, n_heads_of_keys, dims.rep if raw else dims.n_stack, n_chunks, n_cols, n_split,
-        dims.qk_scale, dims.sm_scale,
-        RAW=raw, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=BWD_STAGES, num_warps=4,
+    if core:
+        dkc = torch.empty((n_split, dims.B, dims.C, dims.P, dims.D), dtype=torch.float32, device=q.device)
+        dvc = torch.empty_like(dkc)
+    n_raw = dims.B * dims.Hkv * triton.cdiv(dims.L, 2 * BWD_KEYS.value) if raw else 0
+    n_core = dims.B * dims.C * triton.cdiv(dims.P, 2 * BWD_KEYS.value) * n_split if core else 0
+    _dkdv_kernel[(n_core + n_raw,)](
+        lse, delta, dk if raw else dkc, dv if raw else dvc, dkc if core else dk, dvc if core else dv,
+        q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, *(dk.stride()[:3] if raw else (0, 0, dims.D)),
+        dims.L, dims.P, dims.G, dims.S, dims.H, dims.Hkv if raw else dims.C, dims.rep if raw else dims.n_stack,
+        n_chunks, n_split, n_core, dims.qk_scale, dims.sm_scale,
+        PASS=passes, HEAD_DIM=dims.D, BLOCK_D=dims.block_d, HP=hp, BMP=bmp, STAGES=BWD_STAGES, num_warps=4,
     )
-    return dk, dv
+    return dk, dv, dkc, dvc

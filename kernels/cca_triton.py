@@ -17,6 +17,8 @@ tile, so each key/value tile is loaded once for all of them. Pooling ``kv`` has 
 head (its r query heads stacked); pooling ``query`` has one core head per query head.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -556,13 +558,25 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def _core_splits(n_blocks: int, L: int, bmp: int, device: torch.device) -> int:
+def _core_splits(n_blocks: int, L: int, bmp: int, device: torch.device, waves: float = 4) -> int:
     """How many splits (bands, in the Gluon kernel) of their rows the core tokens' dk/dv pass takes: enough programs
-    for ~4 waves of ``n_blocks`` key blocks, each split still >= 16 row blocks of ``bmp`` positions."""
+    for ~``waves`` waves of ``n_blocks`` key blocks, each split still >= 16 row blocks of ``bmp`` positions."""
     if device.type != "cuda":  # interpreter: always take the split path, so the tests cover it
         return 2
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(4 * n_sm, n_blocks), triton.cdiv(L, 16 * bmp)))
+    return max(1, min(math.ceil(waves * n_sm / n_blocks), triton.cdiv(L, 16 * bmp)))
+
+
+# Up to this many waves of the raw keys' dk/dv programs, the Gluon backward runs both dk/dv passes in one launch: two
+# launches side by side measured 1.2-1.45x slower with <= 256 raw programs, one launch 1.05-1.1x slower with >= 512
+# (one H100; benchmarks/results/attention-h100-dkdv-one-launch.md).
+_ONE_LAUNCH_WAVES = 3
+
+
+def _one_launch(dims, device: torch.device) -> bool:
+    n_raw = dims.B * dims.Hkv * triton.cdiv(dims.L, 2 * cca_gluon.BWD_KEYS.value)
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    return (dims.C, dims.n_stack) == (dims.Hkv, dims.rep) and n_raw <= _ONE_LAUNCH_WAVES * n_sm
 
 
 def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
@@ -592,11 +606,14 @@ def _backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None):
     core_stack = _stack(dims.n_stack, cca_gluon.BLOCK_M.value) if gluon else None
     gluon_raw = gluon and cca_gluon.bwd_applies(raw_stack, q, do, k, v)
     gluon_core = gluon and dims.P > 0 and cca_gluon.bwd_applies(core_stack, q, do, kc, vc)
+    n_core_blocks = B * dims.C * triton.cdiv(dims.P, 2 * cca_gluon.BWD_KEYS.value) if gluon_core else 0
+    if gluon_core and gluon_raw and _one_launch(dims, q.device):  # the core tokens' programs first, then the raw keys'
+        n_split = _core_splits(n_core_blocks, L, core_stack[1], q.device, waves=1.5)
+        return dq, *cca_gluon.dkdv_one_launch(q, k, v, kc, vc, do, lse, delta, dims, *raw_stack, n_split=n_split)
     if gluon_core:
         # The core tokens' pass on a high-priority side stream, launched first, beside the raw keys' pass: its long
         # programs start first and the raw keys' fill the SMs it leaves idle at its end (and the other way round).
-        n_split = _core_splits(B * dims.C * triton.cdiv(dims.P, 2 * cca_gluon.BWD_KEYS.value), L, core_stack[1],
-                               q.device)
+        n_split = _core_splits(n_core_blocks, L, core_stack[1], q.device)
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):

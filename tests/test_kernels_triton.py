@@ -518,20 +518,26 @@ def test_gpu_gluon_forward(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
      pytest.param(2, 8, 4, 1500, 128, 16, 200, torch.float16, {}, id="gqa2-fp16"),
      pytest.param(2, 4, 4, 300, 128, 16, 100, torch.bfloat16, {}, id="mha")],
 )
-def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling):
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-streams"])
+def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g, s, dtype, kw, pooling, one_launch,
+                                                             monkeypatch):
     """The default call on an sm_90 GPU takes the Gluon forward, the Gluon dq kernel, and its dk/dv kernels wherever
     query heads are stacked (GQA). The backward kernels visit the same rows in the same order as the Triton kernels, so
     from the same forward (padded head dim 128) every gradient is bit-identical, and close to it otherwise: head dim
     64 (the Triton dk/dv kernels take 32-row tiles), and the gradients where the core tokens' pass is Gluon's (pooling
-    kv: it sums its rows in bands, top down); bf16 and fp16."""
+    kv: it sums its rows in bands, top down); bf16 and fp16. Pooling kv takes both dk/dv passes in one launch where
+    the raw keys' programs are few (forced here either way)."""
     if not gluon_serves_this_gpu():
         pytest.skip(GLUON_ONLY)
+    monkeypatch.setattr(tri, "_ONE_LAUNCH_WAVES", 10**9 if one_launch else 0)
     q, k, v, do, cos, sin = make_inputs(B, H, Hkv, L, d, seed=L + H, **kw)
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
     calls = []
     real, real_dq, real_fwd, real_forward = tri.cca_gluon.dkdv, tri.cca_gluon.dq, tri.cca_gluon.forward, tri._forward
+    real_one = tri.cca_gluon.dkdv_one_launch
     try:
         tri.cca_gluon.dkdv = lambda *a, **k_: calls.append(k_["raw"]) or real(*a, **k_)
+        tri.cca_gluon.dkdv_one_launch = lambda *a, **k_: calls.append("one") or real_one(*a, **k_)
         tri.cca_gluon.dq = lambda *a: calls.append("dq") or real_dq(*a)
         tri.cca_gluon.forward = lambda *a: calls.append("fwd") or real_fwd(*a)
         gluon = run(functools.partial(tri.cca_attention_triton, use_gluon=None), q, k, v, do, cos, sin, g, s, pooling,
@@ -548,17 +554,55 @@ def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g,
         run(functools.partial(tri.cca_attention_triton, use_tma=False), q, k, v, do, cos, sin, g, s, pooling, dtype)
     finally:
         tri.cca_gluon.dkdv, tri.cca_gluon.dq, tri.cca_gluon.forward = real, real_dq, real_fwd
+        tri.cca_gluon.dkdv_one_launch = real_one
         tri._forward = real_forward
     assert calls == []  # neither with use_gluon=False nor with use_tma=False
     stacked = Hkv < H  # the raw keys' kernel stacks the r query heads of a KV head
     core_stacked = stacked and pooling == "kv" and L >= g
-    assert gluon_calls == ["fwd", "dq"] + [False] * core_stacked + [True] * stacked  # core pass first, side stream
+    if core_stacked and one_launch:
+        assert gluon_calls == ["fwd", "dq", "one"]
+    else:  # core pass first, on the side stream
+        assert gluon_calls == ["fwd", "dq"] + [False] * core_stacked + [True] * stacked
     for name, a, b in zip(("out", "dq", "dk", "dv"), gluon, triton_bwd):
         # pooling kv: the core tokens' gradients reach dk, dv, and dq through the pooling's scores
         if d > 64 and not (core_stacked and name != "out"):
             assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3e}"
         else:
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "B,H,Hkv,L,d,g,s",
+    [pytest.param(2, 8, 2, 4097, 128, 16, 100, id="gqa4-hd128-b2"),
+     pytest.param(1, 10, 2, 3001, 128, 16, 500, id="gqa5"),
+     pytest.param(1, 14, 2, 2000, 80, 16, 300, id="gqa7-hd80"),
+     pytest.param(2, 8, 2, 4099, 128, 7, 300, id="g7-b2"),
+     pytest.param(1, 8, 2, 37, 128, 4, 6, id="shorter-than-a-tile")],
+)
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-streams"])
+def test_gpu_gluon_backward_kernels_before_the_pooling(B, H, Hkv, L, d, g, s, one_launch, monkeypatch):
+    """What the end-to-end test above cannot see with pooling kv: before the pooling backward mixes them, dq and the
+    raw keys' dk/dv of the Gluon backward are bit-identical to the Triton kernels', and the core tokens' fp32 sums
+    (Gluon: bands; one launch with the raw keys' pass, or beside it on a side stream) differ from theirs only by the
+    order of the additions."""
+    if not gluon_serves_this_gpu():
+        pytest.skip(GLUON_ONLY)
+    monkeypatch.setattr(tri, "_ONE_LAUNCH_WAVES", 10**9 if one_launch else 0)
+    q, k, v, do, cos, sin = (x.to(torch.bfloat16) for x in make_inputs(B, H, Hkv, L, d, seed=L + H))
+    scale = d**-0.5
+    kc, vc = tri.pool_forward(q, k, k, v, cos, sin, g, "kv", scale)
+    dims = tri._Dims(q, k, kc, g, s, scale)
+    o, lse = tri._forward(q, k, v, kc, vc, dims, use_gluon=True)
+    gluon = tri._backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=None)
+    triton_ = tri._backward(do, q, k, v, kc, vc, o, lse, dims, use_gluon=False)
+    for name, a, b in zip(("dq", "dk", "dv"), gluon, triton_):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.3e}"
+    for name, a, b in zip(("dk_core", "dv_core"), gluon[3:], triton_[3:]):
+        a, b = a.sum(0), b.sum(0)  # per-split partial sums: the splits differ, their total must not
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        assert torch.isfinite(a).all() and err < 1e-3, f"{name}: max |diff| / max |ref| = {err:.2e}"
 
 
 @pytest.mark.gpu
