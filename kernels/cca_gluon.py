@@ -367,8 +367,9 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # block's rows from its first row up, so their sums differ in the last bits). ``cca_triton._backward`` runs the two
 # passes side by side, so either fills the SMs the other leaves idle at its end
 # (``benchmarks/results/attention-h100-dkdv-bands.md``), or, where the raw keys' programs are few (pooling kv, up to
-# ~3 waves), as one launch: the core tokens' programs first, then the raw keys' (1.2-1.45x; the role known at run time
-# costs registers, so the long passes keep a launch each: ``benchmarks/results/attention-h100-dkdv-one-launch.md``).
+# ~3 waves), as one launch: the core tokens' programs first, then the raw keys' (1.14-1.56x; the role known at run
+# time costs registers, so the long passes keep a launch each; ``benchmarks/results/attention-h100-dkdv-one-launch.md``
+# has both).
 BWD_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M)
 BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB
 
@@ -812,7 +813,7 @@ def dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, raw: bool, n_
 
 def dkdv_one_launch(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, n_split: int):
     """Both passes in one launch (pooling kv: the core heads stack the raw keys' query heads): (dk, dv, dkc, dvc),
-    the same numbers as ``dkdv``'s two calls."""
+    the same numbers as ``dkdv``'s two calls with the same ``n_split``."""
     if (dims.C, dims.n_stack) != (dims.Hkv, dims.rep):
         raise ValueError("one launch for both dk/dv passes needs pooling kv (the core heads are the KV heads)")
     return _dkdv(q, k, v, kc, vc, do, lse, delta, dims, hp, bmp, n_chunks, 2, n_split)
