@@ -419,27 +419,29 @@ def _bwd_segments(pid, n_programs, L, G, S, n_cols, n_split, RAW: gl.constexpr, 
 
 
 @gluon.jit
-def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, raw, BMP: gl.constexpr):
-    """Row tile i of the program's list (every head chunk walks the runs): (chunk, first position, masked); core
-    tokens: the mask-free run, then the masked one below it, from the top down. ``raw``: constexpr, or (one launch
-    for both passes) known at run time."""
+def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP: gl.constexpr, PASS: gl.constexpr):
+    """Row tile i of the program's list (every head chunk walks the runs): (chunk, first position, masked). The raw
+    keys' runs go up (``step`` BMP): masked, mask-free, masked. The core tokens' go down from the top: the mask-free
+    run, then the masked one below it (PASS 1); in one launch for both passes (PASS 2) ``_dkdv_kernel`` hands them
+    over as three runs like the raw keys' (none, mask-free, masked from their top tiles, ``step`` -BMP), so that the
+    walk does not branch on the role."""
     per = n_m1 + n_f + n_m2
     chunk = i // per
     k = i % per
-    if raw:
-        t0 = gl.where(k < n_m1, m1_lo + k * BMP, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * BMP,
-                                                         m2_lo + (k - n_m1 - n_f) * BMP))
-        masked = (k < n_m1) | (k >= n_m1 + n_f)
-    else:
+    if PASS == 1:
         t0 = gl.where(k < n_f, f_lo + (n_f - 1 - k) * BMP, m1_lo + (n_m1 - 1 - (k - n_f)) * BMP)
         masked = k >= n_f
+    else:
+        t0 = gl.where(k < n_m1, m1_lo + k * step, gl.where(k < n_m1 + n_f, f_lo + (k - n_m1) * step,
+                                                           m2_lo + (k - n_m1 - n_f) * step))
+        masked = (k < n_m1) | (k >= n_m1 + n_f)
     return chunk, t0, masked
 
 
 @gluon.jit
 def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar, ready,
-                        empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW,
-                        HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+                        empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles, RAW,
+                        PASS: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
         if RAW:
@@ -450,7 +452,7 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_sm
             tma.async_copy_global_to_shared(vc_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar,
                                             kv_smem.index(2 + w))
     for i in range(n_tiles):
-        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, RAW, BMP)
+        chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP, PASS)
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -461,8 +463,8 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_sm
 @gluon.jit
 def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
                             b, head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl,
-                            m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW,
-                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                            m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW,
+                            PASS: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                             HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
     # Transposed tiles (rows = this warpgroup's 64 keys, columns = 64 stacked query rows), as cca_triton._dkdv_tile.
     st_layout: gl.constexpr = _mma_layout(BLOCK_M)
@@ -486,7 +488,7 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_sm
     s_tok = warpgroup_mma(k_my, q_smem.index(0).reshape([BLOCK_M, BLOCK_D]).permute((1, 0)), zero_st, use_acc=False,
                           is_async=True)
     for i in range(n_tiles):
-        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, RAW, BMP)
+        chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP, PASS)
         head, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
         stat = (b64 * n_heads + head0 + head) * L + t
         lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
@@ -549,6 +551,11 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, DKC, DVC, q_desc, do_desc, k_desc, v_desc, 
             bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
                 pid, n_core, L, G, S, P, n_split, False, BMP)
             n_cols = P
+            # as three runs walked down from their top tiles: none, the mask-free rows, the masked rows below them
+            m2_lo, n_m2 = m1_lo + (n_m1 - 1) * BMP, n_m1
+            f_lo = f_lo + (n_f - 1) * BMP
+            m1_lo, n_m1 = pid * 0, pid * 0
+        step = gl.where(RAW, BMP, -BMP)
     else:
         RAW: gl.constexpr = PASS == 0
         if RAW:
@@ -557,6 +564,7 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, DKC, DVC, q_desc, do_desc, k_desc, v_desc, 
             n_cols = P
         bh, split, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2 = _bwd_segments(
             pid, gl.num_programs(0), L, G, S, n_cols, n_split, RAW, BMP)
+        step: gl.constexpr = BMP  # PASS 1 walks down by its own formula
     b = bh // n_kv_heads
     kv_head = bh % n_kv_heads  # the KV head (raw keys) or the core head (core tokens) of the keys
     head0 = kv_head * n_stack  # its first query head
@@ -580,15 +588,15 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, DKC, DVC, q_desc, do_desc, k_desc, v_desc, 
     gl.warp_specialize([
         (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
                                    head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW, 0, HEAD_DIM, BLOCK_D, HP, BMP,
-                                   STAGES)),
+                                   n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW, PASS, 0, HEAD_DIM, BLOCK_D,
+                                   HP, BMP, STAGES)),
         (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
                                    head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, n_tiles, qk_scale, sm_scale, RAW, 1, HEAD_DIM, BLOCK_D, HP, BMP,
-                                   STAGES)),
+                                   n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW, PASS, 1, HEAD_DIM, BLOCK_D,
+                                   HP, BMP, STAGES)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar,
-                               ready, empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, n_tiles, RAW,
-                               HP, BMP, STAGES)),
+                               ready, empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles,
+                               RAW, PASS, HP, BMP, STAGES)),
     ], [4, 1], [240, 24])  # registers: the fewest spills of consumer 224-256 / loader 24-56 compiled for sm_90
 
 
