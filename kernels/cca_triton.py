@@ -568,8 +568,8 @@ def _core_splits(n_blocks: int, L: int, bmp: int, device: torch.device, waves: f
 
 
 # Up to this many waves of the raw keys' dk/dv programs, the Gluon backward runs both dk/dv passes in one launch: two
-# launches side by side measured 1.14-1.56x slower with <= 256 raw programs, one launch 1.13-1.20x slower with 512
-# (one H100; benchmarks/results/attention-h100-dkdv-one-launch.md).
+# launches side by side measured 1.14-1.56x slower with <= 256 raw programs, one launch 1.09-1.20x slower with 512
+# (H100s; benchmarks/results/attention-h100-dkdv-one-launch.md).
 _ONE_LAUNCH_WAVES = 3
 
 
