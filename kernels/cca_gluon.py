@@ -360,7 +360,10 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # --------------------------------------------------------------------------------------------------
 # One program owns 128 keys: two consumer warpgroups hold 64 keys each (their k/v tiles in shared memory, their dk and
 # dv accumulators in registers), and a load warp streams the tiles of stacked query rows (q, do: HP heads x BMP
-# positions, by TMA boxes of [1, HP, BMP, d]) that both consume. Same contract as ``cca_triton``'s two dk/dv kernels,
+# positions, by TMA boxes of [1, HP, BMP, d]) that both consume, and the rows' lse and delta beside them in shared
+# memory: the consumers' own loads of those cost registers (spills: raw keys 32 bytes against 56, core tokens 56
+# against 112 at hd 128) and each tile a load's latency; the whole dk/dv 1.14-1.21x on an H200,
+# ``benchmarks/results/attention-h200-row-stats.md``. Same contract as ``cca_triton``'s two dk/dv kernels,
 # and for the raw keys the same rows in the same order, so the same numbers. The core tokens' pass splits its rows
 # into ``n_split`` bands at fixed positions, the top band first, and walks each from the top down: a band's key blocks
 # start together and read its rows in step, out of L2 (10% off the core pass at 128K; the Triton kernel splits each
@@ -371,7 +374,7 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # time costs registers, so the long passes keep a launch each; ``benchmarks/results/attention-h100-dkdv-one-launch.md``
 # has both).
 BWD_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M)
-BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB
+BWD_STAGES = 2  # 4 k/v tiles of 64 x 128 + 2 x (q, do) tiles of 64 x 128 = 128 KB (+ 2 x 2 x 64 fp32 lse, delta)
 
 
 @gluon.jit
@@ -439,9 +442,15 @@ def _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP: gl.constexpr, P
 
 
 @gluon.jit
-def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar, ready,
-                        empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles, RAW,
-                        PASS: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, LSE, DELTA, kv_smem, q_smem, do_smem,
+                        stat_smem, kv_bar, ready, empty, b, kv_head, head0, n_heads, L, k0, m1_lo, n_m1, f_lo, n_f,
+                        m2_lo, n_m2, step, n_tiles, RAW, PASS: gl.constexpr, HP: gl.constexpr, BMP: gl.constexpr,
+                        STAGES: gl.constexpr):
+    # The rows' lse and delta by plain loads, not TMA: a TMA box must start 16-byte aligned in its innermost dimension
+    # (else an illegal instruction), and the core tokens' rows start anywhere.
+    row_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    r = gl.arange(0, BLOCK_M, layout=row_layout)
+    b64 = b.to(gl.int64)
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
         if RAW:
@@ -451,6 +460,9 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_sm
             tma.async_copy_global_to_shared(kc_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar, kv_smem.index(w))
             tma.async_copy_global_to_shared(vc_desc, [b, kv_head, k0 + w * BWD_KEYS, 0], kv_bar,
                                             kv_smem.index(2 + w))
+    # the first tile's rows ahead of the loop, then each next tile's while the stage is in use (their latency hidden)
+    lse, delta = _bwd_row_stats(LSE, DELTA, 0, r, b64, head0, n_heads, L, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step,
+                                HP, BMP, PASS)
     for i in range(n_tiles):
         chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP, PASS)
         s = i % STAGES
@@ -458,11 +470,29 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_sm
         mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, head0 + chunk * HP, t0, 0], ready.index(s), q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, head0 + chunk * HP, t0, 0], ready.index(s), do_smem.index(s))
+        stat_smem.index(s).store(lse)
+        stat_smem.index(STAGES + s).store(delta)
+        mbarrier.arrive(ready.index(s), count=1)  # the second arrival: both rows stored
+        lse, delta = _bwd_row_stats(LSE, DELTA, gl.minimum(i + 1, n_tiles - 1), r, b64, head0, n_heads, L, m1_lo,
+                                    n_m1, f_lo, n_f, m2_lo, n_m2, step, HP, BMP, PASS)
 
 
 @gluon.jit
-def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty,
-                            b, head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl,
+def _bwd_row_stats(LSE, DELTA, i, r, b64, head0, n_heads, L, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step,
+                   HP: gl.constexpr, BMP: gl.constexpr, PASS: gl.constexpr):
+    chunk, t0, _ = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP, PASS)
+    head = head0 + chunk * HP + r // BMP
+    t = t0 + r % BMP
+    # in bounds (the consumers mask the rows of other stacks). A program with no tiles asks for tile 0 too: its
+    # indices are garbage then (a division by 0 in _bwd_tile), every load masked into bounds, nothing stored.
+    ok = (head >= 0) & (head < n_heads) & (t >= 0) & (t < L)
+    stat = (b64 * n_heads + head) * L + t
+    return gl.load(LSE + stat, mask=ok, other=0.0), gl.load(DELTA + stat, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _bwd_consumer_partition(DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, stat_smem, kv_bar, ready, empty,
+                            n_stack, k0, n_cols, L, G, S, out_row0, s_gl,
                             m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW,
                             PASS: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                             HP: gl.constexpr, BMP: gl.constexpr, STAGES: gl.constexpr):
@@ -471,7 +501,6 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_sm
     acc_layout: gl.constexpr = _mma_layout(BLOCK_D)
     a_layout: gl.constexpr = _operand_layout(acc_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
-    b64 = b.to(gl.int64)
     col0 = k0 + WG * BWD_KEYS
     keys = col0 + gl.arange(0, BWD_KEYS, layout=gl.SliceLayout(1, st_layout))
     r = gl.arange(0, BLOCK_M, layout=col_s)
@@ -489,11 +518,11 @@ def _bwd_consumer_partition(LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_sm
                           is_async=True)
     for i in range(n_tiles):
         chunk, t0, masked = _bwd_tile(i, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, BMP, PASS)
-        head, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
-        stat = (b64 * n_heads + head0 + head) * L + t
-        lse = gl.load(LSE + stat, mask=ok, other=float("inf"))  # +inf: rows of other heads or past L get p = 0
-        delta = gl.load(DELTA + stat, mask=ok, other=0.0)
+        _, t, ok = _stacked_rows(r, chunk, t0, n_stack, L, HP, BMP)
         s = i % STAGES
+        # +inf: rows of other heads or past L get p = 0
+        lse = gl.where(ok, stat_smem.index(s).load(col_s), float("inf"))
+        delta = gl.where(ok, stat_smem.index(STAGES + s).load(col_s), 0.0)
         q_t = q_smem.index(s).reshape([BLOCK_M, BLOCK_D])
         do_t = do_smem.index(s).reshape([BLOCK_M, BLOCK_D])
         st = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -577,26 +606,27 @@ def _dkdv_kernel(LSE, DELTA, DK, DV, DKC, DVC, q_desc, do_desc, k_desc, v_desc, 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, HP, BMP, BLOCK_D], do_desc.layout)
     kv_smem = gl.allocate_shared_memory(q_desc.dtype, [4, 1, 1, BWD_KEYS, BLOCK_D], k_desc.layout)
+    stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2)  # the loader's two arrivals: q and do (with their bytes), lse and delta
         mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
 
     gl.warp_specialize([
-        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
-                                   head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW, PASS, 0, HEAD_DIM, BLOCK_D,
-                                   HP, BMP, STAGES)),
-        (_bwd_consumer_partition, (LSE, DELTA, DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, kv_bar, ready, empty, b,
-                                   head0, n_stack, k0, n_cols, L, G, S, n_heads, out_row0, s_gl, m1_lo, n_m1, f_lo,
-                                   n_f, m2_lo, n_m2, step, n_tiles, qk_scale, sm_scale, RAW, PASS, 1, HEAD_DIM, BLOCK_D,
-                                   HP, BMP, STAGES)),
-        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, kv_smem, q_smem, do_smem, kv_bar,
-                               ready, empty, b, kv_head, head0, k0, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles,
-                               RAW, PASS, HP, BMP, STAGES)),
+        (_bwd_consumer_partition, (DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, stat_smem, kv_bar, ready, empty,
+                                   n_stack, k0, n_cols, L, G, S, out_row0, s_gl, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2,
+                                   step, n_tiles, qk_scale, sm_scale, RAW, PASS, 0, HEAD_DIM, BLOCK_D, HP, BMP,
+                                   STAGES)),
+        (_bwd_consumer_partition, (DK, DV, DKC, DVC, kv_smem, q_smem, do_smem, stat_smem, kv_bar, ready, empty,
+                                   n_stack, k0, n_cols, L, G, S, out_row0, s_gl, m1_lo, n_m1, f_lo, n_f, m2_lo, n_m2,
+                                   step, n_tiles, qk_scale, sm_scale, RAW, PASS, 1, HEAD_DIM, BLOCK_D, HP, BMP,
+                                   STAGES)),
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, kc_desc, vc_desc, LSE, DELTA, kv_smem, q_smem,
+                               do_smem, stat_smem, kv_bar, ready, empty, b, kv_head, head0, n_heads, L, k0, m1_lo,
+                               n_m1, f_lo, n_f, m2_lo, n_m2, step, n_tiles, RAW, PASS, HP, BMP, STAGES)),
     ], [4, 1], [240, 24])  # registers: the fewest spills of consumer 224-256 / loader 24-56 compiled for sm_90
 
 
