@@ -361,7 +361,7 @@ def forward(q, k, v, kc, vc, dims, hp, bmp, n_chunks, q_pos=None, key_lead=0):
 # One program owns 128 keys: two consumer warpgroups hold 64 keys each (their k/v tiles in shared memory, their dk and
 # dv accumulators in registers), and a load warp streams the tiles of stacked query rows (q, do: HP heads x BMP
 # positions, by TMA boxes of [1, HP, BMP, d]) that both consume, and the rows' lse and delta beside them in shared
-# memory: the consumers' own loads of those cost registers (spills: raw keys 32 bytes against 56, core tokens 56
+# memory: the consumers' own loads of those cost registers (spills: raw keys 32 bytes against 56, core tokens 72
 # against 112 at hd 128) and each tile a load's latency; the whole dk/dv 1.14-1.21x on an H200,
 # ``benchmarks/results/attention-h200-row-stats.md``. Same contract as ``cca_triton``'s two dk/dv kernels,
 # and for the raw keys the same rows in the same order, so the same numbers. The core tokens' pass splits its rows
