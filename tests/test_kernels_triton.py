@@ -571,6 +571,19 @@ def test_gpu_gluon_backward_gives_the_triton_kernels_numbers(B, H, Hkv, L, d, g,
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.skipif(tri.cca_gluon is None, reason="triton without Gluon")
+def test_gluon_one_launch_refuses_query_pooling():
+    """Both dk/dv passes share one launch only when the core heads are the KV heads (pooling kv); with pooling query
+    (one core head per query head) the call says so before it touches a GPU."""
+    q = torch.zeros(1, 8, 64, 64)
+    k = torch.zeros(1, 2, 64, 64)
+    kc = torch.zeros(1, 8, 4, 64)  # pooling query: C = H
+    dims = tri._Dims(q, k, kc, 16, 16, 0.125)
+    lse = torch.zeros(1, 8, 64)
+    with pytest.raises(ValueError, match="needs pooling kv"):
+        tri.cca_gluon.dkdv_one_launch(q, k, k, kc, kc, q, lse, lse, dims, 4, 16, 1, n_split=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
