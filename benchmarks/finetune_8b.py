@@ -183,6 +183,15 @@ def main():
     if rank0:
         print(f"built {sum(x.numel() for x in model.parameters()) / 1e9:.2f}B-parameter model in "
               f"{time.perf_counter() - t:.1f}s on {device}", flush=True)
+    from cca_convert.preflight import memory_estimates
+
+    estimates = memory_estimates(recipe_for(args, args.backends[0]), model.config, torch.bfloat16, device,
+                                 {n: tuple(p.shape) for n, p in model.named_parameters()})
+    results["estimate_gib"] = {e.stage: round(e.total / 2**30, 1) for e in estimates}
+    if rank0:
+        print(f"preflight estimate per device: {results['estimate_gib']} (allocator: "
+              f"{os.environ.get('PYTORCH_ALLOC_CONF') or os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'})",
+              flush=True)
     for backend in args.backends:
         try:
             job, metrics, wall = run_one(args, model, backend, root / backend)

@@ -75,8 +75,8 @@ def default_output(source: str, method: str = "cca") -> Path:
 
 def run_convert(argv: list[str]) -> int:
     from .convert import read_base_config
-    from .export import check_output
     from .hub import resolve_source
+    from .output_guard import check_output, data_files_of, protected_paths
     from .pipeline import Job, run_job
     from .recipe import load_recipe
 
@@ -86,7 +86,10 @@ def run_convert(argv: list[str]) -> int:
     recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
     method = recipe.method if recipe else dict(parse_overrides(args.overrides)).get("method", "cca")
     output = args.output or default_output(args.source, method if method in ("cca", "dca") else "cca")
-    check_output(output, args.overwrite)  # fail before any download
+    local = Path(args.source).expanduser()
+    # before any download; the pipeline checks again against the resolved source (a Hub id's cache folder)
+    check_output(output, args.overwrite, protected_paths(local if local.exists() else None, args.recipe,
+                                                         data_files_of(recipe) if recipe else ()))
     if args.push_to_hub:
         from .publish import preflight
 
@@ -142,6 +145,9 @@ def _sigterm_as_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .allocator import configure_allocator
+
+    configure_allocator()  # before anything touches CUDA
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("CCA_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]

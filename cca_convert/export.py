@@ -37,13 +37,6 @@ def parse_size(text: str) -> int:
     return int(float(number) * _UNITS[unit])
 
 
-def check_output(output: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise CCAError(f"output {output} exists and is not a folder")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise CCAError(f"output folder {output} exists and is not empty; pass --overwrite or choose another --output")
-
-
 class OutputLock:
     """``.NAME.lock`` beside the output, held for the whole run: a second run into the same output is refused
     instead of silently replacing the first one's work. The OS releases it if the process dies."""

@@ -24,6 +24,7 @@ from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
 from .model_card import build_model_card
+from .output_guard import check_output, data_files_of, protected_paths
 from .preflight import stage_preflight
 from .publish import stage_push
 from .recipe import Recipe
@@ -50,7 +51,7 @@ class Job:
     private: bool = False
     hub_revision: str | None = None  # branch of push_to_hub
     create_pr: bool = False
-    device: str = field(default_factory=default_device)
+    device: str = field(default_factory=lambda: default_device())  # looked up at run time (tests patch it)
     command: str | None = None  # the command line that started the run, for messages that say how to re-run it
     log: Callable[[str], None] = print
     # Filled in by the stages.
@@ -60,6 +61,7 @@ class Job:
     finetuned: bool = False
     card_extra: str = ""
     card_data: dict = field(default_factory=dict)
+    memory_estimates: dict[str, float] = field(default_factory=dict)  # stage -> estimated peak bytes per device
     roundtrip_ids: torch.Tensor | None = None
     roundtrip_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -228,7 +230,8 @@ def _run_worker(job: Job) -> None:
 
 
 def _run_stages(job: Job) -> Path:
-    export.check_output(job.output, job.overwrite)
+    check_output(job.output, job.overwrite,
+                 protected_paths(job.base_dir, job.recipe.file, data_files_of(job.recipe)))
     stages = [s for s in STAGES if s.enabled(job)]
     stages = [s for s in stages if not s.after_commit] + [s for s in stages if s.after_commit]
 

@@ -167,6 +167,105 @@ def check_output_space(job, shapes: dict) -> None:
                        f"{need / 2**30:.1f} GiB; free space or choose another --output")
 
 
+def _uses_reference_attention(recipe, device) -> bool:
+    """The PyTorch reference attention (O(L^2) memory) runs: asked for, or auto on a CPU."""
+    backend = (recipe.dca if recipe.method == "dca" else recipe.cca).attn_backend
+    return backend == "reference" or (backend == "auto" and not str(device).startswith("cuda"))
+
+
+def memory_estimates(recipe, config, dtype, device, shapes: dict) -> list:
+    """The peak-memory estimate per device of every memory-heavy stage ``recipe`` runs (``cca_convert.memory``)."""
+    from . import memory
+
+    shape = memory.Shape.of(config, sum(math.prod(s) for s in shapes.values()))
+    cuda = str(device).startswith("cuda")
+    reference = _uses_reference_attention(recipe, device)
+    out = []
+    ft, v = recipe.finetune, recipe.validate
+    if ft.enabled:
+        out.append(memory.finetune_estimate(
+            shape, method=ft.method, seq_len=ft.seq_len, micro_batch=ft.micro_batch_size,
+            checkpointing=ft.gradient_checkpointing, weight_bytes=dtype.itemsize, lora_rank=ft.lora.r,
+            world=_world(), fsdp=_fsdp(), reference_attention=reference, cuda=cuda))
+    if v.enabled:
+        out.append(memory.validate_estimate(shape, length=max(v.context_lengths), batch=v.batch_size,
+                                            weight_bytes=dtype.itemsize, reference_attention=reference, cuda=cuda))
+    return out
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _fsdp() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+
+
+def check_memory(job, shapes: dict) -> None:
+    """Refuse, before any weight is loaded, a run whose estimated peak exceeds the device's memory; name what fits."""
+    from . import memory
+
+    estimates = memory_estimates(job.recipe, job.config, job.dtype, job.device, shapes)
+    if not estimates:
+        return
+    budget, device = memory.device_memory(job.device)
+    job.memory_estimates = {e.stage: e.total for e in estimates}
+    job.log("  memory per device: " + ", ".join(f"{e.stage} ~{memory.gib(e.total)}" for e in estimates)
+            + f" of {device}")
+    over = [e for e in estimates if e.total > budget]
+    if over:
+        e = over[0]
+        raise CCAError(f"memory: the {e.stage} stage needs about {memory.gib(e.total)} per device ({e.describe()}; "
+                       f"GiB) but {device} has {memory.gib(budget)}; " + _what_fits(job, shapes, e.stage, budget))
+
+
+def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
+    """The changes that would fit, each tried alone, as ``--set`` options (or a launcher)."""
+    from . import memory
+
+    def fits(**changes) -> bool:
+        recipe = job.recipe
+        for dotted, value in changes.items():
+            section, key = dotted.split(".")
+            recipe = recipe.model_copy(update={section: getattr(recipe, section).model_copy(update={key: value})})
+        return all(e.total <= budget for e in memory_estimates(recipe, job.config, job.dtype, job.device, shapes)
+                   if e.stage == stage)
+
+    ideas = []
+    if stage == "finetune":
+        ft = job.recipe.finetune
+        if ft.micro_batch_size > 1 and fits(**{"finetune.micro_batch_size": 1}):
+            ideas.append("--set finetune.micro_batch_size=1 (raise gradient_accumulation_steps to keep the batch)")
+        if not ft.gradient_checkpointing and fits(**{"finetune.gradient_checkpointing": True}):
+            ideas.append("--set finetune.gradient_checkpointing=true")
+        if ft.method != "lora" and fits(**{"finetune.method": "lora"}):
+            ideas.append("--set finetune.method=lora")
+        n = next((n for n in memory.fitting_seq_lens(ft.seq_len) if fits(**{"finetune.seq_len": n})), None)
+        if n:
+            ideas.append(f"--set finetune.seq_len={n}")
+        if str(job.device).startswith("cuda") and ft.method != "lora" and not _fsdp():
+            shape = memory.Shape.of(job.config, sum(math.prod(s) for s in shapes.values()))
+            world = memory.gpus_needed(lambda w: memory.finetune_estimate(
+                shape, method=ft.method, seq_len=ft.seq_len, micro_batch=ft.micro_batch_size,
+                checkpointing=ft.gradient_checkpointing, weight_bytes=job.dtype.itemsize, world=w, fsdp=True), budget)
+            if world:
+                ideas.append(f"FSDP on {world} GPUs (accelerate launch --config_file "
+                             f"cca_convert/finetune/accelerate_fsdp.yaml --num_processes {world} -m cca_convert.cli ...)")
+    else:
+        v = job.recipe.validate
+        if v.batch_size > 1 and fits(**{"validate.batch_size": 1}):
+            ideas.append("--set validate.batch_size=1")
+        lengths = sorted(v.context_lengths)
+        kept = [n for n in lengths if fits(**{"validate.context_lengths": [n]})]
+        if kept:
+            ideas.append(f"--set 'validate.context_lengths={kept}'")
+    if not str(job.device).startswith("cuda"):
+        ideas.append("a GPU (this run is on the CPU" + (", where the reference attention holds an L x L score "
+                                                         "matrix)" if _uses_reference_attention(job.recipe, job.device) else ")"))
+    return ("would fit: " + "; or ".join(ideas) if ideas else "no single setting change fits: use a device with "
+            "more memory") + ". Nothing was loaded or written"
+
+
 def stage_preflight(job) -> None:
     start = time.perf_counter()
     problems = Problems()
@@ -176,7 +275,10 @@ def stage_preflight(job) -> None:
     except CCAError as exc:
         problems.errors.append(str(exc))
     else:  # both need the headers' shapes
+        before = len(problems.errors)
         problems.check(check_weight_shapes, job, shapes)
+        if len(problems.errors) == before:  # weights the config does not describe have no meaningful estimate
+            problems.check(check_memory, job, shapes)
         problems.check(check_output_space, job, shapes)
     from .finetune.trainer import check_seq_len
 

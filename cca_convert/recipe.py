@@ -90,6 +90,11 @@ class Recipe(Section):
         origin = self._origins.get(loc) or f"{self._path} ({'.'.join(loc)} unset: default)"
         return f"{origin}: {'.'.join(loc)}"
 
+    @property
+    def file(self) -> Path | None:
+        """The YAML file this recipe was read from (None: built in code)."""
+        return Path(self._path) if self._path != "recipe" else None
+
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
 

@@ -116,3 +116,40 @@ def cca_hf_model_from(base_model, **cca):
     model = published.family_class(FAMILIES[config.model_type])(config).eval()
     model.load_state_dict(base_model.state_dict(), strict=True)
     return model
+
+
+def save_sparse_checkpoint(path: Path, family: str = "llama", **config) -> Path:
+    """A full-size checkpoint whose weight file has real safetensors headers and no data pages (a sparse file):
+    what the preflight reads of an 8B model, in seconds and without its 16 GB. Loading it would give zeros."""
+    import json
+    import struct
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.AutoConfig.for_model(family, **config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    header, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)  # the data: a hole, no pages written
+    cfg.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=128000, eos_token_id=128001, dtype="bfloat16",
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)

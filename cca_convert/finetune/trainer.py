@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import CCAError, first_line
+from .chunked_loss import ChunkedLoss
 from .config import FinetuneSection
 from .data import build_sequences, describe
 
@@ -307,6 +308,7 @@ class Run:
     scheduler: Any = None
     params: list = field(default_factory=list)
     use_cache: bool = True
+    chunked_loss: ChunkedLoss | None = None
     start: int = 0
     meta: dict = field(default_factory=dict)
 
@@ -320,8 +322,13 @@ def stage_finetune(job, on_step=None) -> None:
     tokenizer, eos_id, pad_id = load_tokenizer(job)
     acc = Accelerator(cpu=str(job.device) == "cpu", mixed_precision=_mixed_precision(ft, str(job.device)))
     run = prepare(job, acc, tokenizer, eos_id, pad_id)
-    resume(run)
-    loop(run, on_step)
+    try:
+        resume(run)
+        loop(run, on_step)
+    except BaseException:
+        if run.chunked_loss is not None:  # the model goes back to its own forward, whatever happens next
+            run.chunked_loss.remove()
+        raise
     finish(run)
 
 
@@ -360,6 +367,7 @@ def prepare(job, acc, tokenizer, eos_id: int, pad_id: int) -> Run:
     run.use_cache, model.config.use_cache = model.config.use_cache, False
     if acc.distributed_type.value == "FSDP":  # FSDP flattens parameters of one dtype; its policy casts for compute
         model.float()
+    run.chunked_loss = ChunkedLoss(model).install()  # no whole-sequence fp32 logits (removed in finish)
     model = prepare_trainable(model, ft, upcast=acc.mixed_precision == "bf16")
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
@@ -515,6 +523,8 @@ def finish(run: Run) -> None:
     """Merge/unwrap the trained model into ``job.model`` and ship its metrics (rank 0). Other ranks of a
     distributed run end with ``job.model = None``: the pipeline stops there for them (rank 0 exports)."""
     job, acc, ft, model = run.job, run.acc, run.ft, run.model
+    if run.chunked_loss is not None:
+        run.chunked_loss.remove()
     acc.wait_for_everyone()
     fsdp = acc.distributed_type.value == "FSDP"
     full_state = acc.get_state_dict(model) if fsdp else None  # collective: every rank takes part

@@ -1,0 +1,89 @@
+"""The memory preflight: a run that cannot fit is refused before any weight is loaded, with what would fit."""
+
+import os
+import re
+import time
+
+import pytest
+
+from cca_convert import memory
+from cca_convert.cli import main
+from tests.factories import LLAMA31_8B, save_base, save_sparse_checkpoint
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    return save_sparse_checkpoint(tmp_path_factory.mktemp("sparse") / "llama-3.1-8b", "llama", **LLAMA31_8B)
+
+
+def test_the_sparse_checkpoint_writes_no_pages(llama8b):
+    st = os.stat(llama8b / "model.safetensors")
+    assert st.st_size > 16 * 10**9  # the 8B model's bytes as the header declares them
+    assert st.st_blocks * 512 < 10 * 2**20  # and almost nothing on disk
+
+
+def test_8b_with_its_recipe_on_a_24_gib_cpu_is_refused_before_loading(llama8b, tmp_path, capsys, monkeypatch):
+    """The CI machine's case: 2 cores, 24 GiB. The shipped recipe (LoRA at 32K, validation to 32K) would load 16 GB
+    of weights and run for hours; the preflight refuses it from the headers alone."""
+    monkeypatch.setattr(memory, "device_memory", lambda device: (24 * GiB, "CPU RAM (24.0 GiB, 24.0 available)"))
+    monkeypatch.chdir(tmp_path)
+    loaded = []
+    from cca_convert import pipeline
+
+    monkeypatch.setattr(pipeline, "stage_load", lambda job: loaded.append(job))
+    start = time.perf_counter()
+    assert main([str(llama8b), "--output", str(tmp_path / "out")]) == 2
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert re.search(r"memory: the finetune stage needs about [\d.]+ GiB per device \(.*weights 15\.0", line), line
+    assert "CPU RAM (24.0 GiB" in line and "would fit:" in line and "a GPU" in line
+    assert "Nothing was loaded or written" in line
+    assert not loaded and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    print(f"refused in {elapsed:.1f}s: {line}")
+
+
+def test_the_estimate_names_the_fixes_that_fit(llama8b, tmp_path, capsys, monkeypatch):
+    """On an 80 GB GPU's budget a full finetune of 8B at 32K does not fit; LoRA and FSDP on more GPUs do."""
+    from cca_convert import preflight
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (79 * GiB, "NVIDIA H100 80GB HBM3 (79.2 GiB)"))
+    monkeypatch.setattr(preflight, "_uses_reference_attention", lambda recipe, device: False)
+    monkeypatch.setattr("cca_convert.pipeline.default_device", lambda: "cuda:0")
+    monkeypatch.chdir(tmp_path)
+    assert main([str(llama8b), "--output", "out", "--set", "finetune.method=full", "--set",
+                 "validate.enabled=false"]) == 2
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")][0]
+    assert "finetune.method=lora" in line and re.search(r"FSDP on \d GPUs", line), line
+
+
+def test_a_tiny_model_fits_and_the_estimate_is_logged(tmp_path, capsys):
+    save_base(tmp_path / "base", max_position_embeddings=512)
+    (tmp_path / "held.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    assert main([str(tmp_path / "base"), "--output", str(tmp_path / "out"), "--set", "finetune.enabled=false",
+                 "--set", "validate.context_lengths=[64]", "--set", "validate.speed=false",
+                 "--set", "validate.passkey_trials=0", "--set", "export.dtype=float32", "--set",
+                 f"validate.data={{files: [{tmp_path / 'held.txt'}]}}"]) == 0
+    assert re.search(r"memory per device: validate ~[\d.]+ GiB of CPU RAM", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("method", ["lora", "qkv", "full"])
+def test_estimates_grow_with_what_is_trained_and_shrink_with_fsdp(method):
+    from transformers import LlamaConfig
+
+    shape = memory.Shape.of(LlamaConfig(**LLAMA31_8B), 8_030_261_248)
+    one = memory.finetune_estimate(shape, method=method, seq_len=32768, micro_batch=1, checkpointing=True,
+                                   weight_bytes=2)
+    no_ckpt = memory.finetune_estimate(shape, method=method, seq_len=32768, micro_batch=1, checkpointing=False,
+                                       weight_bytes=2)
+    sharded = [memory.finetune_estimate(shape, method=method, seq_len=32768, micro_batch=1, checkpointing=True,
+                                        weight_bytes=2, world=w, fsdp=True).total for w in (2, 4, 8)]
+    assert no_ckpt.total > one.total
+    assert sharded[0] > sharded[1] > sharded[2]
+    assert one.parts["weights"] + one.parts["trained (fp32) + gradients + AdamW"] >= 2 * shape.params * (
+        8 if method == "full" else 1)
