@@ -27,7 +27,7 @@ CPU_RESERVE = 1 * GiB  # the Python process, tokenizers, datasets' buffers
 PER_TOKEN_HIDDEN = 28  # x hidden_size: two RMSNorms (fp32 copies), attention output, o_proj, residual adds
 PER_TOKEN_QKV = 8  # x (q width + k/v widths): projections and their RoPE'd copies
 PER_TOKEN_MLP = 10  # x intermediate width (per token: MoE counts the active experts): gate, up, act, product
-BACKWARD_FACTOR = 1.6  # one layer's intermediates while their gradients are being formed
+BACKWARD_FACTOR = 1.0  # one layer's recomputed intermediates while their gradients form (fit: H100, 8B at 32K/64K)
 LOGIT_CHUNK_COPIES = 3.5  # one chunk's fp32 logits, their bf16 matmul output, softmax and gradient
 
 
@@ -107,14 +107,15 @@ def finetune_estimate(shape: Shape, *, method: str, seq_len: int, micro_batch: i
         e.parts["trained (fp32) + gradients + AdamW"] = 16 * trained
     act_bytes = 4 if method == "full" and not fsdp else 2  # an fp32 residual stream when the embeddings train fp32
     one_layer = layer_activation_bytes(shape, tokens, act_bytes)
-    if checkpointing:
-        e.parts["activations (checkpointed)"] = shape.layers * tokens * shape.hidden * act_bytes \
-            + BACKWARD_FACTOR * one_layer
-    else:
-        e.parts["activations"] = shape.layers * one_layer + (BACKWARD_FACTOR - 1) * one_layer
     chunk = max(1, 2**30 // (4 * shape.vocab))  # finetune/chunked_loss.py's LOGIT_BYTES
-    e.parts["loss (one chunk of logits)"] = LOGIT_CHUNK_COPIES * 4 * shape.vocab * min(chunk, tokens) \
-        + 12 * tokens * shape.hidden
+    loss = LOGIT_CHUNK_COPIES * 4 * shape.vocab * min(chunk, tokens) + 12 * tokens * shape.hidden
+    # the loss (after the last layer) and a layer's backward happen at different moments: the larger one counts
+    if checkpointing:
+        e.parts["activations (checkpointed)"] = shape.layers * tokens * shape.hidden * act_bytes
+        e.parts["one layer's backward, or the loss"] = max(BACKWARD_FACTOR * one_layer, loss)
+    else:
+        e.parts["activations"] = shape.layers * one_layer
+        e.parts["the loss (one chunk of logits)"] = loss
     if reference_attention:
         e.parts["reference attention scores"] = 2 * reference_attention_bytes(shape, micro_batch, seq_len)
     e.parts["reserve"] = CUDA_RESERVE if cuda else CPU_RESERVE
