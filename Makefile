@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of PyTorch; on a GPU machine point this at your CUDA build (e.g. TORCH=torch).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo demo-dca test test-oldest test-gpu clean
+.PHONY: demo demo-dca test test-oldest test-gpu test-multigpu clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,12 @@ GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
 	$(GPU_PY) benchmarks/fidelity.py --quick
+
+# On a machine with 2+ CUDA GPUs (GPU_PY as above): the CLI under accelerate launch on 2 GPUs: FSDP full / qkv /
+# LoRA and DDP on tiny Llama, Qwen3-MoE and Gemma 3 checkpoints, 1 vs 2 GPUs at the same global batch, kill -9 and
+# --resume (~5 min on two H100s).
+test-multigpu:
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -m multigpu tests -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-oldest out

@@ -160,7 +160,7 @@ def finetune(args, recipe, model, backend: str, root: Path) -> dict:
 def validate(args, model, length: int, backend: str) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
     reset()
-    with attention_backend(model, "full" if backend == "full" else None), eval_mode(model):
+    with attention_backend(model, "full" if backend == "full" else "auto"), eval_mode(model):
         t0 = time.perf_counter()
         nll, n = window_nll(model, ids)
         if torch.cuda.is_available():
