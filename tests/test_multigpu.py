@@ -114,8 +114,12 @@ def test_kill_9_mid_finetune_then_resume_gives_the_uninterrupted_weights(bases, 
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed: " + proc.stdout.read()[-2000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, as kill -9 of the job does
+    # kill -9 of the whole job: the launcher's group, and its workers, which torch's elastic agent starts in sessions
+    # of their own (killing the launcher alone leaves them training on, orphaned, and they would finish the export)
+    os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", str(out)], check=False)
     proc.wait()
+    time.sleep(1)
     killed_at = json.loads(state.read_text())["step"]
     assert not out.exists() and 50 <= killed_at < 300
     resumed = launch("ddp", bases["llama"], out, args + ["--resume"])
