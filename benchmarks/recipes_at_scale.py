@@ -188,7 +188,7 @@ def run_row(args, row: str) -> dict:
             memory.Shape.of(config, sum(math.prod(s) for s in shapes.values())), length=max(lengths), batch=1,
             weight_bytes=dtype.itemsize, cuda=args.device.startswith("cuda"),
             reference_attention=recipe.cca.attn_backend == "reference")
-    budget, device = memory.device_memory(args.device)
+    budget, device = (80 * 2**30, "(estimate only)") if args.estimate_only else memory.device_memory(args.device)
     ft = recipe.finetune
     out = {"row": row, "recipe": f"recipes/{name}.yaml", "family": family, "device": device,
            "params_b": sum(math.prod(s) for s in shapes.values()) / 1e9,
@@ -199,6 +199,8 @@ def run_row(args, row: str) -> dict:
            "budget_gib": round(budget / 2**30, 1), "runs": [], "validate": []}
     print(f"{row}: {out['params_b']:.2f}B params; estimates " + ", ".join(
         f"{k} {v} GiB" for k, v in out["estimate_gib"].items()) + f" of {device}", flush=True)
+    if args.estimate_only:
+        return out
     if any(e.total > budget for e in estimates.values()):
         out["refused"] = "estimate over the device's memory: " + ", ".join(
             f"{k} {memory.gib(e.total)}" for k, e in estimates.items() if e.total > budget)
@@ -275,6 +277,8 @@ def main():
                    help="validation lengths (default: the recipe's longest)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tiny", action="store_true", help="tiny shapes of the same families (CPU smoke test)")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="print the preflight's estimates for --device without building anything (no GPU needed)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.tiny:
@@ -286,7 +290,8 @@ def main():
         if args.json:
             args.json.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                              "command": " ".join(sys.argv), "results": results}, indent=1))
-    print(table(results), flush=True)
+    if not args.estimate_only:
+        print(table(results), flush=True)
 
 
 if __name__ == "__main__":

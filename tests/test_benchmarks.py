@@ -176,3 +176,31 @@ def test_prefill_benchmark_times_one_pass_and_chunks_for_both_backends(tmp_path)
     assert "| 53 | chunks |" in (tmp_path / "prefill.md").read_text()
     bad = subprocess.run(cmd[:2] + ["--backends", "cca,flash"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert bad.returncode == 2 and "--backends takes cca and/or full" in bad.stderr
+
+
+def test_recipes_at_scale_runs_every_shipped_recipe_row_on_tiny_shapes(tmp_path):
+    """The at-scale benchmark's code path (converter config, preflight estimate, finetune stage per backend, the
+    validation's scoring pass) on tiny shapes of each recipe's family; the GPU run uses the released shapes."""
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "recipes_at_scale.py"), "--tiny", "--device", "cpu", "--steps",
+           "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900,
+                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["row"] for r in results] == ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "gemma3-12b", "phi-4"]
+    for r in results:
+        assert {x["backend"] for x in r["runs"]} == {"reference", "full"}
+        assert all(math.isfinite(x["losses"][-1]) and x["tokens_per_s"] > 0 for x in r["runs"])
+        assert {v["backend"] for v in r["validate"]} == {"full", "cca"}
+        assert r["estimate_gib"]["finetune"] > 0 and r["estimate_gib"]["validate"] > 0
+    assert "| phi-4 |" in proc.stdout
+
+
+def test_recipes_at_scale_estimates_the_released_shapes_without_a_gpu():
+    cmd = [sys.executable, str(REPO / "benchmarks" / "recipes_at_scale.py"), "--estimate-only", "--rows",
+           "llama-3.1-8b", "qwen3-30b-a3b"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "llama-3.1-8b: 8.03B params; estimates finetune 34.5 GiB" in proc.stdout
+    assert "qwen3-30b-a3b: 30.53B params" in proc.stdout
