@@ -169,9 +169,26 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _close_progress_bars() -> None:
+    """Close every open tqdm bar, so that the `error:` line printed next is the last line on stderr (an open bar
+    redraws its last frame after it when it is garbage-collected)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        bar.close()
+
+
 def _run(handler, argv: list[str], debug: bool) -> int:
     try:
         return handler(argv[1:]) if handler else run_convert(argv)
+    except BaseException:
+        _close_progress_bars()
+        return _report(handler, argv, debug)
+
+
+def _report(handler, argv: list[str], debug: bool) -> int:
+    """The one `error:` line (and exit code) of the exception being handled."""
+    try:
+        raise
     except CCAError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"error: {line}", file=sys.stderr)

@@ -89,6 +89,29 @@ def file_format(spec: TextSource, files: list[str], section: str) -> str:
     return kinds.pop()
 
 
+UTF8_PROBE = 64 * 2**20  # bytes of each text/json file checked up front (all of it when smaller)
+
+
+def check_utf8(path: Path, section: str) -> None:
+    """A text or JSON file must be UTF-8: a binary or Latin-1 file is named here, not deep inside ``datasets``."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while offset < UTF8_PROBE:
+            chunk = f.read(2**20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                at = offset + max(0, exc.start)
+                raise CCAError(f"{section}.files: {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                               f"offset {at}): give text, jsonl or parquet files (convert it with iconv, or check "
+                               "the path)") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def load_documents(spec: TextSource, section: str):
     """The ``datasets`` Dataset (IterableDataset when streaming) of documents, its text column checked."""
     import datasets
@@ -99,6 +122,9 @@ def load_documents(spec: TextSource, section: str):
     if spec.files:
         files = resolve_files(spec, section)
         builder = spec.dataset or file_format(spec, files, section)
+        if builder in ("text", "json"):
+            for f in files:
+                check_utf8(Path(f), section)
         kwargs["data_files"] = {spec.split.split("[")[0]: files}
         if builder == "text":
             kwargs["sample_by"] = spec.sample_by

@@ -224,11 +224,47 @@ def write_shards(
     return final
 
 
-def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca") -> None:
+def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca") -> list[str]:
+    """The published code and the source's tokenizer files; returns the tokenizer ``auto_map`` entries dropped
+    because they point at code the export does not ship (see ``drop_foreign_auto_map``)."""
     published.write_code(folder, family, method)
     for name in TOKENIZER_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, folder / name)
+    return drop_foreign_auto_map(folder / "tokenizer_config.json")
+
+
+def drop_foreign_auto_map(path: Path) -> list[str]:
+    """Remove the ``auto_map`` entries of a tokenizer config that name code the repo does not hold (a module of
+    another repo, ``org/repo--module.Class``, or one whose ``module.py`` is not in the folder): shipped as they are,
+    they would send every user's ``trust_remote_code`` to code nobody reviewed with this export."""
+    if not path.is_file():
+        return []
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return []
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return []
+
+    def shipped(ref) -> bool:
+        return isinstance(ref, str) and "--" not in ref and (path.parent / f"{ref.rsplit('.', 1)[0]}.py").is_file()
+
+    dropped, kept = [], {}
+    for key, value in auto_map.items():
+        refs = value if isinstance(value, list) else [value]
+        if all(r is None or shipped(r) for r in refs):
+            kept[key] = value
+        else:
+            dropped.append(f"{key}: {value}")
+    if dropped:
+        if kept:
+            config["auto_map"] = kept
+        else:
+            del config["auto_map"]
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return dropped
 
 
 def write_generation_config(base_dir: Path, folder: Path, config) -> None:

@@ -8,7 +8,9 @@ that fails at any stage leaves nothing that looks like a finished repo.
 
 from __future__ import annotations
 
+import errno
 import gc
+import math
 import os
 import shutil
 import time
@@ -151,14 +153,28 @@ def stage_export(job: Job) -> None:
         gc.collect()
         tensors, total = export.stream_base_tensors(job.base_dir), len(export.base_tensor_names(job.base_dir))
     skip = {"lm_head.weight"} if job.config.tie_word_embeddings else set()
-    shards = export.write_shards(
-        tensors, folder, dtype=job.dtype, max_shard_bytes=export.parse_size(recipe.export.max_shard_size),
-        total=total, skip=skip,
-    )
+    try:
+        shards = export.write_shards(
+            tensors, folder, dtype=job.dtype, max_shard_bytes=export.parse_size(recipe.export.max_shard_size),
+            total=total, skip=skip,
+        )
+    except Exception as exc:  # OSError(ENOSPC), or safetensors' own error type with the same words
+        if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and "No space left" not in str(exc):
+            raise
+        from .preflight import weight_shapes
+
+        need = sum(math.prod(shape) for shape in weight_shapes(Path(job.base_dir)).values()) * job.dtype.itemsize
+        free = shutil.disk_usage(folder).free
+        raise CCAError(f"the disk of {job.output.resolve().parent} filled up while writing the weights: "
+                       f"{free / 2**30:.1f} GiB free, the export needs about {need / 2**30:.1f} GiB; free space or "
+                       "choose another --output (nothing was written to the output folder)") from None
     job.model = None
     gc.collect()
     job.config.save_pretrained(folder)
-    export.copy_code_and_tokenizer(job.base_dir, folder, job.family, job.method)
+    dropped = export.copy_code_and_tokenizer(job.base_dir, folder, job.family, job.method)
+    if dropped:
+        job.log(f"  warning: tokenizer_config.json's auto_map named code this export does not ship; dropped "
+                f"({'; '.join(dropped)}): the tokenizer loads without remote code")
     export.write_generation_config(job.base_dir, folder, job.config)
     (folder / "cca_recipe.yaml").write_text(recipe.to_yaml())
     card = build_model_card(
@@ -229,6 +245,16 @@ def _run_worker(job: Job) -> None:
     return None
 
 
+def drop_work_dir_without_results(job: Job) -> None:
+    """A failed run leaves its work folder only when it holds something to go on from: a finetune checkpoint
+    (``--resume``, ``--force``) or the validation report a failed gate points to. Else (a refusal, a crash before
+    the first checkpoint) nothing of the run stays beside the output."""
+    work = job.work_dir
+    keep = (work / "finetune" / "checkpoint", work / "finetune" / "checkpoint.old", work / "validation")
+    if work.is_dir() and not any(p.exists() for p in keep):
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _run_stages(job: Job) -> Path:
     check_output(job.output, job.overwrite,
                  protected_paths(job.base_dir, job.recipe.file, data_files_of(job.recipe)))
@@ -245,9 +271,13 @@ def _run_stages(job: Job) -> Path:
         job.staging = staging.path
         for folder in staging.removed:
             job.log(f"  removed {folder.name}, left beside the output by a run that was killed")
-        for i, stage in enumerate(stages, 1):
-            if not stage.after_commit:
-                run(i, stage)
+        try:
+            for i, stage in enumerate(stages, 1):
+                if not stage.after_commit:
+                    run(i, stage)
+        except BaseException:
+            drop_work_dir_without_results(job)
+            raise
         staging.commit()
         if staging.undeleted is not None:
             job.log(f"  warning: the replaced output could not be deleted completely; remove {staging.undeleted} by hand")

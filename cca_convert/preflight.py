@@ -86,11 +86,16 @@ def _base_context(job) -> int | None:
 
 
 def read_weight_shapes(job) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from the safetensors headers (no weights read); a header that does not parse is an error."""
+    return weight_shapes(Path(job.base_dir))
+
+
+def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers of ``folder`` (no weights read); a missing, truncated or
+    unparsable file is a CCAError naming it."""
     from safetensors import SafetensorError, safe_open
 
     shapes = {}
-    for path in base_weight_files(Path(job.base_dir)):
+    for path in base_weight_files(folder):
         if not path.is_file():
             raise CCAError(f"{path}: weight file listed in the index is missing; download the model again")
         try:
@@ -136,9 +141,14 @@ def check_finetune_data(job) -> None:
     ft = job.recipe.finetune
     if not ft.enabled or not ft.data.files:  # Hub datasets are checked when the stage opens them
         return
-    from .finetune.data import load_documents
+    from .finetune.data import check_first_sequence, load_documents
 
-    load_documents(ft.data)
+    if not has_tokenizer(Path(job.base_dir)):
+        load_documents(ft.data)  # the missing tokenizer is reported by check_tokenizer
+        return
+    from .finetune.trainer import load_tokenizer
+
+    check_first_sequence(ft, *load_tokenizer(job)[:2])
 
 
 def check_validation_data(job) -> None:

@@ -178,7 +178,12 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
     path = Path(path)
     if not path.is_file():
         raise CCAError(f"recipe file not found: {path}")
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CCAError(f"{path}: not a UTF-8 text file (byte {raw[exc.start]:#04x} at offset {exc.start}): a recipe is "
+                       "YAML text; check the --recipe path") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

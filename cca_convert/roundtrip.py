@@ -20,7 +20,15 @@ from .errors import CCAError
 
 _LOADER = textwrap.dedent(
     """
-    import importlib.abc, sys
+    import ctypes, importlib.abc, os, signal, sys
+
+    if sys.platform.startswith("linux"):  # die with the converter, even on its kill -9 (PR_SET_PDEATHSIG)
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != int(sys.argv[5]):  # the parent died before prctl took effect
+            sys.exit(1)
 
     class _Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -53,15 +61,31 @@ def model_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids.to(model.device), use_cache=False).logits.float().cpu()
 
 
+TEMP_PREFIX = "cca-roundtrip-"
+
+
+def remove_dead_temp_folders() -> None:
+    """Temp folders of round trips whose converter was killed (kill -9: its PID is gone); a live one is left."""
+    import shutil
+
+    from .export import _pid_alive
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
+        pid = folder.name[len(TEMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def roundtrip_check(folder: Path, input_ids: torch.Tensor, expected: torch.Tensor, atol: float, device="cpu") -> float:
     """Load ``folder`` in a clean subprocess; raise CCAError unless its logits match ``expected``."""
-    with tempfile.TemporaryDirectory(prefix="cca-roundtrip-") as tmp:
+    remove_dead_temp_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-") as tmp:
         ids_path, out_path = Path(tmp) / "ids.pt", Path(tmp) / "logits.pt"
         torch.save(input_ids, ids_path)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update(HF_MODULES_CACHE=str(Path(tmp) / "modules"), HF_HUB_OFFLINE="1")
         proc = subprocess.run(
-            [sys.executable, "-c", _LOADER, str(folder), str(ids_path), str(out_path), str(device)],
+            [sys.executable, "-c", _LOADER, str(folder), str(ids_path), str(out_path), str(device), str(os.getpid())],
             cwd=tmp, env=env, capture_output=True, text=True,
         )
         if proc.returncode != 0:

@@ -35,6 +35,8 @@ def world(tmp_path_factory):
     (root / "broken.jsonl").write_text('{"text": "fine"}\n{"text": unquoted}\n')
     (root / "empty.txt").write_text("")
     (root / "short.txt").write_text("the lord spake unto moses saying\n")
+    (root / "one.txt").write_text("a")
+    (root / "numbers.jsonl").write_text('{"text": 5}\n{"text": 7}\n')
     (root / "data.csv").write_text("text\nhello\n")
     return root
 
@@ -106,12 +108,22 @@ def row_base(mutate, *extra, data=None):
     return make
 
 
-def row_files(section: str, spec: dict):
+def row_files(section: str, spec: dict, validate: bool = False):
+    """A data row; ``validate``: the held-out text is good too, so a late refusal would come after a baseline (and
+    leave a work folder): the refusal must come from the preflight."""
     def make(w, t):
         data = {k: [f.format(w=w) for f in v] if k == "files" else v for k, v in spec.items()}
         body = {**(FINETUNE if section == "finetune" else VALIDATE), "data": data}
-        return _argv(w / "base", recipe_file(t, with_sections(**{section: body})), t / "out")
+        sections = {section: body}
+        if validate:
+            sections["validate"] = {**VALIDATE, "data": {"files": [str(w / "held.txt")]}}
+        return _argv(w / "base", recipe_file(t, with_sections(**sections)), t / "out")
     return make
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
 
 
 def row_output(prepare):
@@ -218,6 +230,27 @@ ROWS = {
     "val-beyond-context": (row_recipe(with_sections(validate={**VALIDATE, "context_lengths": [1024],
                                                               "data": {"files": ["x.txt"]}})), 2,
                            r"validate.context_lengths \[1024\] exceed the model's context"),
+    "recipe-binary": (lambda w, t: (_write(t / "r.yaml", b"\x89PNG\r\n\x1a\n\x00\x00"),
+                                    _argv(w / "base", t / "r.yaml", t / "out"))[1],
+                      2, r"r.yaml: not a UTF-8 text file \(byte 0x89"),
+    "g-bool": (row_set("cca.group_size=true"), 2, r"cca.group_size: expects a number, not true"),
+    "theta-inf": (row_set("cca.rope_theta=.inf"), 2, r"cca.rope_theta: Input should be a finite number"),
+    "theta-nan": (row_set("cca.rope_theta=.nan"), 2, r"cca.rope_theta: Input should be a finite number"),
+    "steps-1e20": (row_set("finetune.steps=1e20"), 2, r"finetune.steps"),
+    "steps-beyond-bound": (row_set("finetune.steps=100000000000"), 2,
+                           r"finetune.steps: Input should be less than or equal to 10000000"),
+    "ppl-gate-inf": (row_set("validate.max_ppl_ratio=.inf"), 2, r"validate.max_ppl_ratio: Input should be a finite"),
+    "val-binary": (lambda w, t: (_write(t / "held.bin.txt", bytes(range(256)) * 8), _argv(
+        w / "base", recipe_file(t, with_sections(validate={**VALIDATE, "data": {"files": [str(t / "held.bin.txt")]}})),
+        t / "out"))[1], 2, r"validate.data.files: .*held.bin.txt is not UTF-8 text \(byte 0x80 at offset 128\)"),
+    "ft-empty-file": (row_files("finetune", {"files": ["{w}/empty.txt"]}, validate=True), 2,
+                      r"finetune.data: .*empty.txt is empty"),
+    "ft-one-token": (row_files("finetune", {"files": ["{w}/one.txt"]}, validate=True), 2,
+                     r"finetune.data: .*one.txt has \d+ tokens, fewer than one finetune.seq_len=64 block"),
+    "ft-shorter-than-seq-len": (row_files("finetune", {"files": ["{w}/short.txt"]}, validate=True), 2,
+                                r"fewer than one finetune.seq_len=64 block"),
+    "ft-jsonl-numbers": (row_files("finetune", {"files": ["{w}/numbers.jsonl"]}, validate=True), 2,
+                         r"finetune.data.text_field: column 'text' holds int values, not text"),
     # command line
     "no-source": (lambda w, t: [], 2, r"(SOURCE|required)"),
     "mistyped-command": (lambda w, t: ["valdate", str(t / "x")], 2, r"unknown command 'valdate'; did you mean"),
@@ -227,7 +260,7 @@ ROWS = {
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if any(m in p.name for m in (".partial-", ".old-", ".lock")))
+    return sorted(p.name for p in folder.iterdir() if any(m in p.name for m in (".partial-", ".old-", ".lock", ".work")))
 
 
 @pytest.mark.parametrize("case", list(ROWS))
@@ -302,7 +335,9 @@ def test_disk_full_while_writing_is_one_line_exit_2(world, tmp_path, capsys, mon
     argv = _argv(world / "base", recipe_file(tmp_path, GOOD), tmp_path / "out")
     assert main(argv) == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: no space left on the device") and "--output" in errors[0]
+    assert len(errors) == 1 and re.match(rf"error: the disk of {re.escape(str(tmp_path))} filled up while writing the "
+                                         r"weights: [\d.]+ GiB free, the export needs about [\d.]+ GiB", errors[0])
+    assert "--output" in errors[0]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 

@@ -16,7 +16,7 @@ RESUME_FREE_KEYS = {"enabled", "checkpoint_every", "log_every", "tensorboard"}
 
 
 class LoraSection(Section):
-    r: int = Field(16, ge=1, description="LoRA rank")
+    r: int = Field(16, ge=1, le=4096, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | None = Field(
@@ -37,14 +37,15 @@ class FinetuneSection(Section):
         "lora", description="lora: LoRA adapters (merged before export); qkv: train only q/k/v projections; full")
     lora: LoraSection = LoraSection()
     data: DataSection = DataSection()
-    seq_len: int = Field(4096, ge=2, description="tokens per training sequence")
+    seq_len: int = Field(4096, ge=2, le=2**22, description="tokens per training sequence (at most 4M)")
     packing: bool = Field(True, description="concatenate documents with EOS and cut seq_len blocks (else truncate+pad)")
-    micro_batch_size: int = Field(1, ge=1, description="sequences per forward pass and process")
-    gradient_accumulation_steps: int = Field(8, ge=1)
-    steps: int = Field(1000, ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(1, ge=1, le=65536, description="sequences per forward pass and process")
+    gradient_accumulation_steps: int = Field(8, ge=1, le=1_000_000)
+    # beyond ten million optimizer steps a value is a typo (1e20), not a plan: it would start a run that never ends
+    steps: int = Field(1000, ge=1, le=10_000_000, description="optimizer steps (at most 10 million)")
     learning_rate: float | None = Field(None, gt=0, description="peak LR; default lora 2e-4, qkv 5e-5, full 2e-5")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0, le=10_000_000)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR of cosine/linear decay, relative to the peak")
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.95)

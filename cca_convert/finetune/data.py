@@ -168,6 +168,25 @@ class StreamingSequences(SequenceSource):
             yield self.collate(chunk[self.rank * self.bsz : (self.rank + 1) * self.bsz])
 
 
+def check_first_sequence(ft: FinetuneSection, tokenizer, eos_id: int) -> None:
+    """The data yield at least one training sequence: read and tokenize documents only until one is complete, and
+    refuse with the trainer's own errors (empty, not text, too short) before any weight is loaded."""
+    ds = load_documents(ft.data)
+    tokenize = Tokenize(tokenizer, ft.data, eos_id)
+    tokens, docs = 0, 0
+    for batch in ds.iter(batch_size=64):
+        for ids in tokenize(batch[ft.data.text_field]):
+            docs += 1
+            if (not ft.packing and len(ids) >= 2) or (ft.packing and tokens + len(ids) >= ft.seq_len):
+                return
+            tokens += len(ids)
+    if docs == 0:
+        raise CCAError(f"{SECTION}: {describe(ft.data)} is empty (no text in column {ft.data.text_field!r})")
+    raise CCAError(f"{SECTION}: {describe(ft.data)} has {tokens} tokens, fewer than one finetune.seq_len="
+                   f"{ft.seq_len} block; add data or lower finetune.seq_len" if ft.packing else
+                   f"{SECTION}: {describe(ft.data)} has no document of 2 tokens or more")
+
+
 def build_sequences(ft: FinetuneSection, tokenizer, eos_id: int, pad_id: int, rank=0, world=1, log=print):
     ds = load_documents(ft.data)
     tokenize = Tokenize(tokenizer, ft.data, eos_id)

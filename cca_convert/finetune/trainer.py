@@ -418,7 +418,7 @@ def loop(run: Run, on_step=None) -> None:
     update, metrics, periodic checkpoints; SIGINT/SIGTERM checkpoint and stop."""
     from tqdm.auto import tqdm
 
-    job, acc, ft, ckpts, model = run.job, run.acc, run.ft, run.ckpts, run.model
+    acc, ft, ckpts, model = run.acc, run.ft, run.ckpts, run.model
     main, world = acc.is_main_process, acc.num_processes
     metrics = Metrics(run.root, main, ft.tensorboard, keep_until=run.start)
     ga, mb = ft.gradient_accumulation_steps, ft.micro_batch_size
@@ -427,6 +427,25 @@ def loop(run: Run, on_step=None) -> None:
     batches = run.data.batches(start_micro=run.start * ga) if run.data is not None else iter(())
     bar = tqdm(total=ft.steps, initial=run.start, disable=not main, unit="step", desc="  finetune", dynamic_ncols=True)
     step, first_loss, last_loss, t_begin, tokens_total = run.start, None, None, time.perf_counter(), 0
+    try:
+        step, first_loss, last_loss, tokens_total = _steps(run, on_step, bar, metrics, batches)
+    finally:  # closed before any error is printed: the last line on stderr is the error, not the bar's frame
+        bar.close()
+        metrics.close()
+    if step > run.start or run.resume_from is None:
+        ckpts.save(step, model, run.optimizer, run.scheduler, {**run.meta, "finished": True})
+    elapsed = time.perf_counter() - t_begin
+    if step > run.start:
+        run.log(f"  trained steps {run.start + 1}-{step}: loss {first_loss:.4f} -> {last_loss:.4f}, "
+                f"{tokens_total:,} tokens in {elapsed:.1f}s ({tokens_total / max(elapsed, 1e-9):,.0f} tokens/s)")
+
+
+def _steps(run: Run, on_step, bar, metrics, batches):
+    """The optimizer steps (see ``loop``); returns (last step, first loss, last loss, tokens)."""
+    job, acc, ft, ckpts, model = run.job, run.acc, run.ft, run.ckpts, run.model
+    main, world = acc.is_main_process, acc.num_processes
+    ga = ft.gradient_accumulation_steps
+    step, first_loss, last_loss, tokens_total = run.start, None, None, 0
     with StopOnSignal(bar.write if main else (lambda m: None)) as stop:
         while step < ft.steps:
             if _agree(acc, stop.signum is not None):
@@ -473,14 +492,7 @@ def loop(run: Run, on_step=None) -> None:
                 ckpts.save(step, model, run.optimizer, run.scheduler, run.meta)
             if on_step is not None:
                 on_step(step, record)
-    bar.close()
-    metrics.close()
-    if step > run.start or run.resume_from is None:
-        ckpts.save(step, model, run.optimizer, run.scheduler, {**run.meta, "finished": True})
-    elapsed = time.perf_counter() - t_begin
-    if step > run.start:
-        run.log(f"  trained steps {run.start + 1}-{step}: loss {first_loss:.4f} -> {last_loss:.4f}, "
-                f"{tokens_total:,} tokens in {elapsed:.1f}s ({tokens_total / max(elapsed, 1e-9):,.0f} tokens/s)")
+    return step, first_loss, last_loss, tokens_total
 
 
 def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoints) -> CCAError:

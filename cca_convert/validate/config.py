@@ -33,13 +33,13 @@ class ValidateSection(Section):
         default_factory=lambda: [4096, 8192, 16384, 32768],
         description="perplexity / passkey / speed lengths: tokens, or relative to the base's trained context c "
                     "(\"c\", \"8c\", \"c/4\"), resolved when the model is known")
-    windows: int = Field(4, ge=1, description="perplexity windows per length (at most; evenly spread)")
+    windows: int = Field(4, ge=1, le=100_000, description="perplexity windows per length (at most; evenly spread)")
     stride: int | None = Field(None, ge=1, description="distance between candidate window starts (default: the length, "
                                                           "i.e. non-overlapping windows)")
     batch_size: int = Field(1, ge=1, description="sequences per forward pass")
     passkey_depths: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
                                         description="where the pass key sits in the filler (0 = start, 1 = end)")
-    passkey_trials: int = Field(1, ge=0, description="random keys per depth and length (0: no passkey check)")
+    passkey_trials: int = Field(1, ge=0, le=10_000, description="random keys per depth and length (0: no passkey check)")
     passkey_digits: int = Field(5, ge=1, le=12)
     speed: bool = Field(True, description="time one prefill and its peak memory, base vs CCA, at each length")
     speed_repeats: int = Field(1, ge=1, description="timed prefills per length and model (after one warm-up)")
@@ -63,6 +63,8 @@ class ValidateSection(Section):
                                  "c (\"c\", \"8c\", \"c/4\")")
         if any(isinstance(n, int) and n < 2 for n in v):
             raise ValueError("context lengths must be >= 2")
+        if any(isinstance(n, int) and n > 2**24 for n in v):  # 16M tokens: past every model's context, a typo
+            raise ValueError("context lengths must be <= 16777216 tokens")
         return sorted(set(v)) if all(isinstance(n, int) for n in v) else v
 
     @field_validator("passkey_depths")
