@@ -138,6 +138,25 @@ def base_weight_files(base_dir: Path) -> list[Path]:
     return files
 
 
+def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers of ``folder`` (no weights read); a missing, truncated or
+    unparsable file is a CCAError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {}
+    for path in base_weight_files(folder):
+        if not path.is_file():
+            raise CCAError(f"{path}: weight file listed in the index is missing; download the model again")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as exc:
+            raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
+                           "download is truncated or corrupt: download it again") from None
+    return shapes
+
+
 def stream_base_tensors(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in base_weight_files(base_dir):
         with safe_open(path, framework="pt") as f:

@@ -161,7 +161,7 @@ def stage_export(job: Job) -> None:
     except Exception as exc:  # OSError(ENOSPC), or safetensors' own error type with the same words
         if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and "No space left" not in str(exc):
             raise
-        from .preflight import weight_shapes
+        from .export import weight_shapes
 
         need = sum(math.prod(shape) for shape in weight_shapes(Path(job.base_dir)).values()) * job.dtype.itemsize
         free = shutil.disk_usage(folder).free

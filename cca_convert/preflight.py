@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import CCAError
-from .export import TOKENIZER_FILES, base_weight_files
+from .export import TOKENIZER_FILES, weight_shapes
 
 
 class Problems:
@@ -87,25 +87,6 @@ def _base_context(job) -> int | None:
 
 def read_weight_shapes(job) -> dict[str, tuple[int, ...]]:
     return weight_shapes(Path(job.base_dir))
-
-
-def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from the safetensors headers of ``folder`` (no weights read); a missing, truncated or
-    unparsable file is a CCAError naming it."""
-    from safetensors import SafetensorError, safe_open
-
-    shapes = {}
-    for path in base_weight_files(folder):
-        if not path.is_file():
-            raise CCAError(f"{path}: weight file listed in the index is missing; download the model again")
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        except (SafetensorError, OSError) as exc:
-            raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
-                           "download is truncated or corrupt: download it again") from None
-    return shapes
 
 
 def check_weight_shapes(job, shapes: dict) -> None:

@@ -351,7 +351,7 @@ def run_validate(argv: list[str]) -> int:
     if raw.get("model_type") != "cca" and "cca_group_size" not in raw and not is_dca:
         raise CCAError(f"{args.target} is not a converted model (its config.json has neither cca_* settings nor a "
                        "dual_chunk_attention_config from cca-convert): convert it first")
-    from ..preflight import weight_shapes
+    from ..export import weight_shapes
 
     weight_shapes(folder)  # a truncated or corrupt shard is named first, before any setting or text is read
     output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
