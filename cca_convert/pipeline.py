@@ -245,14 +245,15 @@ def _run_worker(job: Job) -> None:
     return None
 
 
-def drop_work_dir_without_results(job: Job) -> None:
+def drop_work_dir_without_results(job: Job) -> Path | None:
     """A failed run leaves its work folder only when it holds something to go on from: a finetune checkpoint
     (``--resume``, ``--force``) or the validation report a failed gate points to. Else (a refusal, a crash before
-    the first checkpoint) nothing of the run stays beside the output."""
+    the first checkpoint) nothing of the run stays beside the output. Returns the checkpoint folder that stays."""
     work = job.work_dir
-    keep = (work / "finetune" / "checkpoint", work / "finetune" / "checkpoint.old", work / "validation")
-    if work.is_dir() and not any(p.exists() for p in keep):
+    checkpoints = [p for p in (work / "finetune" / "checkpoint", work / "finetune" / "checkpoint.old") if p.exists()]
+    if work.is_dir() and not checkpoints and not (work / "validation").exists():
         shutil.rmtree(work, ignore_errors=True)
+    return checkpoints[0].parent if checkpoints else None
 
 
 def _run_stages(job: Job) -> Path:
@@ -275,6 +276,12 @@ def _run_stages(job: Job) -> Path:
             for i, stage in enumerate(stages, 1):
                 if not stage.after_commit:
                     run(i, stage)
+        except CCAError as exc:
+            kept = drop_work_dir_without_results(job)
+            if kept and str(kept) not in str(exc) and exc.exit_code == 2:  # say what stays, and why
+                raise type(exc)(f"{exc}\nthe finetune checkpoint of an earlier run stays in {kept} (continue it "
+                                "with --resume, or delete it to start over)") from None
+            raise
         except BaseException:
             drop_work_dir_without_results(job)
             raise

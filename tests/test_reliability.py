@@ -137,3 +137,32 @@ def test_sigterm_during_the_finetune_ends_with_the_error_as_the_last_line(base, 
     last = re.split(r"[\r\n]", err.strip())[-1]
     assert last.startswith("error: finetune interrupted (SIGTERM) after step"), err[-2000:]
     assert "--resume" in last and not out.exists()
+
+
+def test_a_refused_run_keeps_an_earlier_runs_checkpoint_and_says_so(base, tmp_path, capsys):
+    """The work folder of an interrupted finetune stays when a later run is refused, and the error names it."""
+    checkpoint = tmp_path / ".out.work" / "finetune" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text('{"step": 3}')
+    assert main([str(base), "--recipe", recipe(tmp_path), "--output", str(tmp_path / "out"),
+                 "--set", "cca.group_size=4096"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context" in err
+    assert f"the finetune checkpoint of an earlier run stays in {checkpoint.parent}" in err
+    assert (checkpoint / "state.json").is_file()
+
+
+def test_a_refused_run_leaves_no_work_folder(base, tmp_path, capsys):
+    held = tmp_path / "held.txt"
+    held.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    data = {**RECIPE, "validate": {"enabled": True, "data": {"files": [str(held)]}, "context_lengths": [64],
+                                   "passkey_trials": 0, "speed": False, "max_ppl_ratio": 0.01}}
+    assert main([str(base), "--recipe", recipe(tmp_path, data), "--output", str(tmp_path / "out")]) == 2
+    assert "validation gates failed" in capsys.readouterr().err
+    assert (tmp_path / ".out.work" / "validation").is_dir()  # a failed gate keeps the report it points to
+    data["validate"]["context_lengths"] = [4096]
+    import shutil
+
+    shutil.rmtree(tmp_path / ".out.work")
+    assert main([str(base), "--recipe", recipe(tmp_path, data), "--output", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / ".out.work").exists() and not (tmp_path / "out").exists()
