@@ -39,7 +39,7 @@ model is transformers' own `{causal_lm}` with its full-attention layers running 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
+{local_note}tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
 # trust_remote_code: the model class is {module}.py (the stock class + cca_hf.py's CCA attention).
 model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
 # g and s can be changed at load time without retraining (paper Sec. 4.3):
@@ -95,7 +95,7 @@ cache). Inputs of up to `C + 1` tokens give exactly the base model's outputs. Th
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
+{local_note}tokenizer = AutoTokenizer.from_pretrained("{repo}")  # the base model's tokenizer
 # trust_remote_code: the model class is {module}.py (the stock class + dca_hf.py's DCA attention).
 model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")
 ```
@@ -112,6 +112,29 @@ The exact recipe used (`cca_recipe.yaml` in this repo):
 ```yaml
 {recipe}```
 """
+
+
+def retarget(readme: Path, repo_id: str) -> bool:
+    """Point an exported card at the Hub repo it is pushed to: every ``from_pretrained("...")`` snippet, the title
+    and the model-index name (an export names its folder until it is pushed). Returns whether the card changed."""
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    card = ModelCard(text)
+    body = re.sub(r'from_pretrained\("[^"]*"', f'from_pretrained("{repo_id}"', card.text)
+    body = re.sub(r"^# .*$", f"# {repo_id}", body, count=1, flags=re.MULTILINE)
+    body = body.replace(LOCAL_NOTE, "")
+    if getattr(card.data, "model_name", None):
+        card.data.model_name = repo_id
+    new = f"---\n{card.data.to_yaml()}\n---\n{body}"
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+# the export's usage snippets load the folder by its name; a pushed card loads the Hub id (``retarget``)
+LOCAL_NOTE = ("# (this card is in a local folder: give its path; `cca-convert push` rewrites these lines with the "
+              "Hub repo id)\n")
 
 
 def build_model_card(
@@ -140,7 +163,8 @@ def build_model_card(
             chunk=d["chunk_size"], local=d["local_size"], s_len=d["chunk_size"] - d["local_size"],
             temperature=f"logits x (0.1 ln(L/{c_orig}) + 1)^2 past {c_orig} tokens" if c_orig else "off",
             trained=config.dca_trained_context,
-            max_pos=config.max_position_embeddings, repo=repo_name, extra=extra, recipe=recipe.to_yaml())
+            max_pos=config.max_position_embeddings, repo=repo_name, extra=extra, recipe=recipe.to_yaml(),
+            local_note="" if is_hub_id(repo_name) else LOCAL_NOTE)
         return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
     trained = (
         "The attention was then adapted with a short finetune (see the recipe)."
@@ -170,5 +194,6 @@ def build_model_card(
         repo=repo_name,
         extra=extra,
         recipe=recipe.to_yaml(),
+        local_note="" if is_hub_id(repo_name) else LOCAL_NOTE,
     )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))

@@ -59,6 +59,12 @@ def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | N
     if not (folder / "config.json").is_file():
         raise CCAError(f"{folder} has no config.json: pass a folder exported by cca-convert")
     report = check_report(folder, force, log)
+    from .hub import check_push_target
+    from .model_card import retarget
+
+    check_push_target(repo_id, revision=revision, create_pr=create_pr)  # before the card is touched
+    if retarget(folder / "README.md", repo_id):  # the pushed card loads the pushed id (the folder's copy too)
+        log(f"  model card: snippets and title now name {repo_id}")
     url = push_folder(folder, repo_id, private=private, revision=revision, create_pr=create_pr,
                       commit_message=_commit_message(folder, report))
     log(f"  pushed {folder} to {repo_id}: {url}")

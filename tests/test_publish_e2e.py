@@ -67,6 +67,9 @@ def test_convert_push_and_load_from_hub(tmp_path, hub_server, capsys, monkeypatc
     assert json.loads(remote["validation/report.json"])["passed"] is True
     assert "validation/ppl.png" in remote and "](validation/ppl.png)" in remote["README.md"].decode()
     assert "validation passed" in hub_server.commits("user/tiny-cca")[-1].title
+    card = remote["README.md"].decode()  # the card follows the repo: its snippets load the pushed id
+    assert 'from_pretrained("user/tiny-cca"' in card and 'from_pretrained("tiny-cca"' not in card
+    assert "\n# user/tiny-cca\n" in card and "- name: user/tiny-cca\n" in card, card[:1500]
 
     ids, logits = tmp_path / "ids.pt", tmp_path / "logits.pt"
     torch.save(PROBE, ids)
@@ -183,3 +186,22 @@ def test_the_token_is_written_nowhere(tmp_path, hub_server, capsys, monkeypatch)
     leaked = [str(p) for p in files if any(s in p.read_bytes() for s in secrets)]
     assert leaked == []
     assert not any(s.decode() in c.out + c.err for c in printed for s in secrets)
+
+
+def test_push_command_points_the_card_at_the_pushed_id(tmp_path, hub_server, capsys):
+    """`cca-convert push out/m user/demo-pushed`: the card on the Hub loads user/demo-pushed, and that id loads."""
+    recipe = seed_base(hub_server, tmp_path)
+    out = tmp_path / "m"
+    assert main([str(tmp_path / "base"), "--recipe", str(recipe), "--output", str(out)]) == 0
+    local_card = (out / "README.md").read_text()
+    assert 'from_pretrained("m"' in local_card and "give its path" in local_card  # a folder card says so
+    assert main(["push", str(out), "user/demo-pushed"]) == 0
+    card = hub_server.files("user/demo-pushed")["README.md"].decode()
+    assert 'from_pretrained("user/demo-pushed"' in card and 'from_pretrained("m"' not in card
+    assert "give its path" not in card
+    code = LOAD_FROM_HUB.replace("user/tiny-cca", "user/demo-pushed").replace(
+        "sys.argv[1]", repr(str(tmp_path / "ids.pt"))).replace("sys.argv[2]", repr(str(tmp_path / "logits.pt")))
+    torch.save(PROBE, tmp_path / "ids.pt")
+    (tmp_path / "empty").mkdir()
+    hub_server.run_python(code, cwd=tmp_path / "empty", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    assert torch.load(tmp_path / "logits.pt").shape[-1] == 128
