@@ -294,12 +294,21 @@ def test_validate_command_on_exported_folder(tmp_path, base_dir, texts, capsys):
     out = tmp_path / "out"
     run(base_dir, out, write_recipe(tmp_path, texts[0], passkey_trials=0))
     first = json.loads((out / "validation" / "report.json").read_text())
+    card_before, report_before = (out / "README.md").read_text(), (out / "validation" / "report.json").read_text()
     assert main(["validate", str(out), "--set", "validate.context_lengths=[64,256]", "--device", "cpu"]) == 0
-    report = json.loads((out / "validation" / "report.json").read_text())
+    # a re-run never rewrites history: its report goes beside the conversion's, card and report untouched
+    (rerun,) = out.glob("validation-*-vs-full-attention")
+    report = json.loads((rerun / "report.json").read_text())
+    assert (out / "README.md").read_text() == card_before
+    assert (out / "validation" / "report.json").read_text() == report_before
     assert report["context_lengths"] == [64, 256] and report["passed"]
     # the same weights and windows give the same numbers as in the pipeline
     assert report["results"]["cca"]["perplexity"]["256"]["ppl"] == pytest.approx(
         first["results"]["cca"]["perplexity"]["256"]["ppl"], rel=1e-5)
+    # asked for: the card's table and validation/ are replaced
+    assert main(["validate", str(out), "--set", "validate.context_lengths=[64,256]", "--device", "cpu",
+                 "--update-card"]) == 0
+    assert json.loads((out / "validation" / "report.json").read_text())["context_lengths"] == [64, 256]
     readme = (out / "README.md").read_text()
     assert readme.count("## Validation") == 1 and "| 64 |" in readme and "Perplexity @ 64 tokens" in readme
     # a gate that fails: exit status 1, report says so

@@ -289,9 +289,9 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict, folder: Path) -> Path:
-    """Write ``folder/validation/{report.json, report.md, ppl.png}``; return the validation folder."""
-    out = Path(folder) / "validation"
+def write(report: dict, folder: Path, subdir: str = "validation") -> Path:
+    """Write ``folder/<subdir>/{report.json, report.md, ppl.png}``; return that folder."""
+    out = Path(folder) / subdir
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
     (out / "report.md").write_text(markdown(report))

@@ -252,7 +252,8 @@ def validate_parser():
     p = OneLineParser(
         prog="cca-convert validate",
         description="Re-run the validation (perplexity, passkey, prefill speed, gates) of an exported CCA folder "
-                    "or Hub repo and write validation/report.{json,md} and ppl.png.",
+                    "or Hub repo. On a folder, the report goes to validation-<date>-vs-<base>/ inside it, leaving the "
+                    "conversion's validation/ and model card as they were (--update-card replaces them).",
         epilog="examples:\n  cca-convert validate out/tiny-cca\n"
                "  cca-convert validate user/llama-3.1-8b-cca --output val-8b --set validate.data.files=[book.txt]\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -268,6 +269,9 @@ def validate_parser():
     p.add_argument("--output", type=Path, help="where validation/ goes (default: the folder itself; for a Hub "
                                                "repo ./<name>-validation)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--update-card", action="store_true",
+                   help="replace the folder's validation/ report and the model card's table with this run's (by "
+                        "default a re-run writes validation-<date>-vs-<base>/ beside them and changes nothing else)")
     return p
 
 
@@ -402,9 +406,19 @@ def run_validate(argv: list[str]) -> int:
                   + ("(attn_implementation=sdpa: plain RoPE positions)" if is_dca else "(attn_backend=full)")
                   + "; after a finetune these are the finetuned weights, pass --base for the original",
     )
-    out = report_mod.write(report, output)
-    if repo_id is None and output.resolve() == local.resolve() and readme.is_file():
-        update_card(readme, report)
+    in_place = repo_id is None and output.resolve() == local.resolve()
+    if in_place and not args.update_card:
+        # the conversion's report (and the card's table, "measured before upload") stay as they were: a re-run
+        # writes beside them, named by its date and its base
+        from datetime import datetime, timezone
+
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        against = Path(args.base.rstrip("/")).name if args.base else "full-attention"
+        out = report_mod.write(report, output, f"validation-{stamp}-vs-{against}")
+    else:
+        out = report_mod.write(report, output)
+        if in_place and readme.is_file():
+            update_card(readme, report)
     print(f"report: {out / 'report.md'}")
     if gates_mod.failed(gates):
         print(f"validation gates FAILED: {gates_mod.summary(gates)}")
