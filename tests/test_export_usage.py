@@ -40,3 +40,28 @@ def test_text_generation_pipeline_runs_without_the_not_supported_error(export, c
         out = pipe("abc", max_new_tokens=3, do_sample=False)[0]["generated_text"]
     assert out.startswith("abc")
     assert not [r for r in caplog.records if "is not supported for text-generation" in r.getMessage()]
+
+
+def test_the_adapter_loads_as_its_readme_says_and_gives_the_exports_logits(export):
+    """The adapter's README snippet, run as written (base path filled in): base weights in the CCA model + the LoRA
+    deltas through peft = the merged export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, base_path = export / "out", export / "base"
+    readme = (out / "adapter" / "README.md").read_text()
+    assert "[More Information Needed]" not in readme and "already merged" in readme
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] is None  # a local source: no machine path in a pushed repo
+    repo = str(out)
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(str(base_path)).state_dict())
+    ids = torch.arange(3, 83)[None]
+    with torch.no_grad():
+        without = model.eval()(ids, use_cache=False).logits  # CCA with the base's weights, no deltas
+    model = PeftModel.from_pretrained(model, repo, subfolder="adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
+    with torch.no_grad():
+        got, want = model(ids, use_cache=False).logits, merged(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (without - want).abs().max() > 1e-3  # the deltas matter: the test can fail

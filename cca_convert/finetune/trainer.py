@@ -567,6 +567,7 @@ def finish(run: Run) -> None:
         if ft.lora.save_adapter:
             # Embeddings are never trained here; "auto" would re-read the base config as a CCA config (a warning).
             trained.save_pretrained(str(job.staging / "adapter"), save_embedding_layers=False)
+            describe_adapter(job.staging / "adapter", job, ft)
         trained = trained.merge_and_unload()
     (getattr(trained, "activation_checkpointing_disable", None) or trained.gradient_checkpointing_disable)()
     trained = trained.to(device=job.device, dtype=job.dtype).eval()
@@ -582,6 +583,48 @@ def finish(run: Run) -> None:
         shutil.copytree(root / "tensorboard", out / "tensorboard", dirs_exist_ok=True)
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
     job.card_extra += _card_section(ft, records, acc.num_processes, job.config)
+
+
+ADAPTER_README = """# LoRA adapter (already merged into this repo's weights)
+
+The LoRA deltas (rank {r}, alpha {alpha:g}, on {targets}) that cca-convert's finetune trained on top of **{base}**
+running CCA attention. The model in this repo's root already has them merged: load that to use the model. This
+folder is for applying the same deltas to the base weights yourself (to inspect, rescale or drop them).
+
+They were trained through CCA attention, so they belong on the base's weights inside the CCA model; on the stock
+base model they give neither the base's outputs nor this model's. As peft loads them:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+repo = "{repo}"  # this repo's Hub id, or its local folder
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)  # the CCA code (and the merged weights)
+model.load_state_dict(AutoModelForCausalLM.from_pretrained("{base}").state_dict())  # the base's weights
+model = PeftModel.from_pretrained(model, repo, subfolder="adapter")  # base + deltas: the merged model's outputs
+```
+"""
+
+
+def describe_adapter(folder: Path, job, ft: FinetuneSection) -> None:
+    """Replace peft's blank card with what the adapter is and how to load it, and point ``base_model_name_or_path``
+    at the source's Hub id (a local source's path means nothing once the repo is pushed: it is left out)."""
+    from ..model_card import is_hub_id
+
+    source = getattr(job, "source", None)
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    if source and is_hub_id(source):
+        config["base_model_name_or_path"] = source
+    else:
+        config["base_model_name_or_path"] = None
+        job.log(f"  note: the LoRA adapter's base_model_name_or_path is left empty: the source ({source}) is a local "
+                "folder, not a Hub id")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / "README.md").write_text(ADAPTER_README.format(
+        r=ft.lora.r, alpha=ft.lora.alpha, targets=", ".join(lora_targets(ft, job.config)),
+        base=source if source and is_hub_id(source) else "BASE (the base model's Hub id or folder)",
+        repo=job.output.name if hasattr(job, "output") else "REPO"))
 
 
 def _card_section(ft: FinetuneSection, records: list[dict], world: int, config) -> str:
