@@ -27,6 +27,7 @@ from .errors import CCAError
 from .finetune import stage_finetune
 from .model_card import build_model_card
 from .output_guard import check_output, data_files_of, protected_paths
+from .paths import portable_text
 from .preflight import stage_preflight
 from .publish import stage_push
 from .recipe import Recipe
@@ -181,7 +182,7 @@ def stage_export(job: Job) -> None:
         job.config, recipe, base_model=job.source, repo_name=job.output.name, finetuned=job.finetuned,
         extra=job.card_extra, card_data=job.card_data,
     )
-    (folder / "README.md").write_text(card)
+    (folder / "README.md").write_text(portable_text(card))
     job.log(f"  {len(shards)} weight shard(s), code, tokenizer and model card written")
 
 
@@ -245,6 +246,12 @@ def _run_worker(job: Job) -> None:
     return None
 
 
+def _checkpoint_of(job: Job) -> Path | None:
+    folder = job.work_dir / "finetune"
+    return folder if any((folder / name / "state.json").is_file() for name in ("checkpoint", "checkpoint.old")) \
+        else None
+
+
 def drop_work_dir_without_results(job: Job) -> Path | None:
     """A failed run leaves its work folder only when it holds something to go on from: a finetune checkpoint
     (``--resume``, ``--force``) or the validation report a failed gate points to. Else (a refusal, a crash before
@@ -272,13 +279,14 @@ def _run_stages(job: Job) -> Path:
         job.staging = staging.path
         for folder in staging.removed:
             job.log(f"  removed {folder.name}, left beside the output by a run that was killed")
+        earlier = _checkpoint_of(job)  # an earlier run's, which a refusal of this one must not hide
         try:
             for i, stage in enumerate(stages, 1):
                 if not stage.after_commit:
                     run(i, stage)
         except CCAError as exc:
             kept = drop_work_dir_without_results(job)
-            if kept and str(kept) not in str(exc) and exc.exit_code == 2:  # say what stays, and why
+            if earlier and kept and str(kept) not in str(exc) and exc.exit_code == 2:  # say what stays, and why
                 raise type(exc)(f"{exc}\nthe finetune checkpoint of an earlier run stays in {kept} (continue it "
                                 "with --resume, or delete it to start over)") from None
             raise

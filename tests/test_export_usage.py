@@ -65,3 +65,13 @@ def test_the_adapter_loads_as_its_readme_says_and_gives_the_exports_logits(expor
         got, want = model(ids, use_cache=False).logits, merged(ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (without - want).abs().max() > 1e-3  # the deltas matter: the test can fail
+
+
+def test_reports_and_card_hold_no_machine_paths_and_label_cpu_speed(export):
+    out = export / "out"
+    for name in ("validation/report.json", "validation/report.md", "README.md"):
+        text = (out / name).read_text()
+        assert str(export) not in text, name  # the held-out file and the output are named portably
+    assert "held.txt" in (out / "validation" / "report.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "runs its PyTorch reference implementation" in card and "1.40x" in card and "2.72x" in card

@@ -154,6 +154,20 @@ def speed_table(report: dict) -> str | None:
     return "\n".join(lines)
 
 
+# The GPU figure quoted under CPU speed rows: cca-convert's whole-model prefill benchmark (benchmarks/prefill.py).
+GPU_PREFILL = ("on one H100 the Triton kernels make a Llama-3.1-8B-shaped model's whole prefill 1.40x faster than "
+               "full attention at 32K tokens and 2.72x at 128K (cca-convert's `benchmarks/prefill.py`, "
+               "`benchmarks/results/prefill-h100-bffba6f.json`)")
+
+
+def _cpu_note(report: dict) -> str:
+    name = label(report, "cca")
+    note = (f"Measured on the CPU, where {name} runs its PyTorch reference implementation (written for checking, "
+            "not speed: it forms the full score matrix), while the base runs PyTorch's fused attention: these rows "
+            f"do not show {name}'s cost")
+    return note + ("; " + GPU_PREFILL + "." if name == "CCA" else ".")
+
+
 def gates_table(report: dict) -> str:
     if not report["gates"]:
         return "No gates configured."
@@ -178,7 +192,8 @@ def _sections(report: dict, plot: str) -> list[str]:
     if (pk := passkey_table(report)) is not None:
         out.append(f"### Passkey retrieval (accuracy)\n\n{pk}")
     if (sp := speed_table(report)) is not None:
-        out.append(f"### Prefill on {report['hardware'].get('gpu') or report['hardware']['device']}\n\n{sp}")
+        out.append(f"### Prefill on {report['hardware'].get('gpu') or report['hardware']['device']}\n\n{sp}"
+                   + ("" if report["hardware"].get("gpu") else f"\n\n{_cpu_note(report)}"))
     out.append(f"### Gates\n\n{gates_table(report)}" + (f"\n\n{_status(report)}" if report["gates"] else ""))
     return out
 
@@ -293,8 +308,11 @@ def write(report: dict, folder: Path, subdir: str = "validation") -> Path:
     """Write ``folder/<subdir>/{report.json, report.md, ppl.png}``; return that folder."""
     out = Path(folder) / subdir
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    (out / "report.md").write_text(markdown(report))
+    from ..paths import portable_text
+
+    # published with the repo: local files by their path below the run's directory, or their name
+    (out / "report.json").write_text(portable_text(json.dumps(report, indent=2, sort_keys=False)) + "\n")
+    (out / "report.md").write_text(portable_text(markdown(report)))
     plot(report, out / "ppl.png")
     return out
 

@@ -337,7 +337,9 @@ def update_card(readme: Path, report: dict) -> None:
     card = ModelCard(text)
     card.data.eval_results = report_mod.eval_results(report)
     card.data.model_name = report["model"]["name"]
-    readme.write_text(str(card))
+    from ..paths import portable_text
+
+    readme.write_text(portable_text(str(card)))
 
 
 def run_validate(argv: list[str]) -> int:
