@@ -1,15 +1,18 @@
 # Each target sets up its own virtualenv on a fresh clone (no network needed beyond the package index).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of PyTorch; on a GPU machine point this at your CUDA build (e.g. TORCH=torch).
+# The torch requirement installed first. Which build it brings depends on the package index: PyPI's Linux wheel is the
+# CUDA build; a CPU-only index (or a local CPU wheel) gives the CPU build: TORCH_INDEX picks the index for torch, e.g.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu; TORCH=torch takes any version on a GPU machine.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: demo demo-dca test test-oldest test-gpu test-multigpu clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[test]" $(EXTRA_PINS)
 	touch $@
 
