@@ -27,7 +27,10 @@ from .cca_pool_triton import pool_backward, pool_forward, table_strides
 from .cca_reference import check_args, check_chunk_args, check_given
 from .tma import descriptors, use_tma as _use_tma
 
-try:  # the Hopper kernels (Gluon: triton >= 3.6); without them the Triton kernels serve every GPU
+try:  # the Hopper kernels (Gluon: triton >= 3.6); without them the Triton kernels serve every GPU. The first line's
+    # spelling matters: transformers fetches from the Hub, and save_pretrained copies, only the files a module imports
+    # as `from .name import ...` (not `from . import name`): without it exported repos ran without these kernels.
+    from .cca_gluon import applies as _gluon_applies  # noqa: F401
     from . import cca_gluon
 except ImportError:
     cca_gluon = None

@@ -75,3 +75,17 @@ def test_reports_and_card_hold_no_machine_paths_and_label_cpu_speed(export):
     assert "held.txt" in (out / "validation" / "report.md").read_text()
     card = (out / "README.md").read_text()
     assert "runs its PyTorch reference implementation" in card and "1.40x" in card and "2.72x" in card
+
+
+def test_save_pretrained_of_a_loaded_export_keeps_every_published_file(export, tmp_path):
+    """transformers copies a remote-code module's relative imports on save (and fetches them on load from the Hub):
+    every file the model can use must be reachable that way, the optional Hopper kernels (cca_gluon.py) included."""
+    from transformers import AutoModelForCausalLM
+
+    out = export / "out"
+    model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
+    model.save_pretrained(tmp_path / "resaved")
+    shipped = {p.name for p in out.glob("*.py")}
+    assert "cca_gluon.py" in shipped
+    assert shipped <= {p.name for p in (tmp_path / "resaved").glob("*.py")}, shipped - {
+        p.name for p in (tmp_path / "resaved").glob("*.py")}
