@@ -25,6 +25,7 @@ USAGE_EXAMPLES = """examples:
 other commands:
   cca-convert validate DIR_OR_REPO ...   re-run the validation of an exported model (see validate --help)
   cca-convert push DIR REPO ...          upload an exported folder to the Hub (see push --help)
+  cca-convert serve DIR_OR_REPO ...      an OpenAI-compatible endpoint for an exported model (transformers serve)
 
 supported families (config.json model_type: base models -> default recipe):
 {families}
@@ -122,8 +123,15 @@ def _push(argv: list[str]) -> int:
     return run_push(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from .serve import run_serve
+
+    return run_serve(argv)
+
+
 COMMANDS["validate"] = _validate
 COMMANDS["push"] = _push
+COMMANDS["serve"] = _serve
 
 
 def _os_error_line(exc: OSError) -> str:

@@ -1,0 +1,84 @@
+"""`cca-convert serve`: transformers' OpenAI-compatible server on an exported CCA and DCA model, asked over plain
+HTTP on localhost; the answer is what the model's own greedy generate() gives."""
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cca_convert.cli import main
+from tests.factories import save_base
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None,
+                                reason="needs transformers[serving] (pip install cca-convert[serve])")
+
+RECIPES = {
+    "cca": {"cca": {"group_size": 4, "local_window": 16}},
+    "dca": {"method": "dca", "dca": {"chunk_size": 48, "local_size": 8, "temperature": False}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("method", ["cca", "dca"])
+def test_served_export_answers_over_http_as_its_generate_does(method, tmp_path):
+    base = save_base(tmp_path / "base", max_position_embeddings=64)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPES[method], "export": {"dtype": "float32", "roundtrip": False},
+                                      "finetune": {"enabled": False}, "validate": {"enabled": False}}))
+    out = tmp_path / "out"
+    assert main([str(base), "--recipe", str(recipe), "--output", str(out)]) == 0
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "cca_convert.cli", "serve", str(out), "--device", "cpu",
+                               "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={"PYTHONPATH": str(REPO), **__import__("os").environ})
+    try:
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert server.poll() is None, server.stdout.read()[-3000:]
+                time.sleep(0.5)
+        prompt = "the lord spake unto moses, saying, speak unto the children of israel"  # > C + 1 tokens (DCA)
+        answer = post(f"http://127.0.0.1:{port}/v1/completions",
+                      {"model": str(out), "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    text = answer["choices"][0]["text"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(model).__name__ == f"{method.upper()}LlamaForCausalLM"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+    assert text == tok.decode(want, skip_special_tokens=True), (text, tok.decode(want))
+    assert answer["usage"]["completion_tokens"] >= 1
+
+
+def test_continuous_batching_is_refused_with_the_reason(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--continuous-batching"]) == 2
+    assert "paged KV cache" in capsys.readouterr().err
