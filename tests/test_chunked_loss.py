@@ -95,3 +95,20 @@ def test_the_chunk_never_holds_more_than_its_logits():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.nn.functional.cross_entropy(head(hidden[0, :-1]).float(), labels[0, 1:])
     assert max(saved) >= 4 * (length - 1) * vocab  # the unchunked path does keep them (the test can fail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_chunked_loss_on_the_gpu_under_bf16_autocast_with_the_triton_kernels(family):
+    """The trainer's setting: fp32 master weights, bf16 autocast, the Triton CCA kernels; chunks of an odd size."""
+    fam, overrides = family_and_overrides(family)
+    base = tiny_base_model(fam, **overrides).float()
+    model = cca_hf_model_from(base, group_size=4, local_window=16, attn_backend="triton").cuda().train()
+    batch = {k: v.cuda() for k, v in _batch(model.config.vocab_size, length=301, pad=7).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want_loss, want = _loss_and_grads(model, batch)
+        with ChunkedLoss(model, chunk=37):
+            got_loss, got = _loss_and_grads(model, batch)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-3, atol=2e-3)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=2e-3, msg=name)

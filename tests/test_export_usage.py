@@ -89,3 +89,47 @@ def test_save_pretrained_of_a_loaded_export_keeps_every_published_file(export, t
     assert "cca_gluon.py" in shipped
     assert shipped <= {p.name for p in (tmp_path / "resaved").glob("*.py")}, shipped - {
         p.name for p in (tmp_path / "resaved").glob("*.py")}
+
+
+GLUON_PROBE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16).cuda().eval()
+gluon = [m for name, m in sys.modules.items() if name.endswith(".cca_gluon")]
+assert gluon, "cca_gluon.py was not loaded with the model"
+calls = []
+forward = gluon[0].forward
+gluon[0].forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+with torch.no_grad():
+    model(torch.randint(0, 1000, (1, 4096), device="cuda"), use_cache=False)
+print("gluon forward calls:", len(calls))
+assert calls, "the Hopper kernels did not run"
+"""
+
+
+@pytest.mark.gpu
+def test_the_hopper_kernels_run_after_save_pretrained_and_reload(tmp_path):
+    """On an H100/H200 (sm_90): an export re-saved with save_pretrained and loaded back in a fresh process runs
+    cca_gluon's forward (before the import spelling fix the re-saved repo had no cca_gluon.py, silently)."""
+    import subprocess
+    import sys
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are Hopper's (sm_90)")
+    base = save_base(tmp_path / "base", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"cca": {"group_size": 16, "local_window": 256},
+                                      "export": {"dtype": "bfloat16", "roundtrip": False},
+                                      "finetune": {"enabled": False}, "validate": {"enabled": False}}))
+    assert main([str(base), "--recipe", str(recipe), "--output", str(tmp_path / "out")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    proc = subprocess.run([sys.executable, "-c", GLUON_PROBE, str(tmp_path / "resaved")], capture_output=True,
+                          text=True, cwd=tmp_path, env={**__import__("os").environ,
+                                                        "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])
