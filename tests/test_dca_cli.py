@@ -144,7 +144,7 @@ def test_what_dca_cannot_convert_is_refused(tmp_path, capsys, family, overrides,
     assert not (tmp_path / "out").exists()
 
 
-def test_validate_reports_dca_against_plain_rope(tmp_path):
+def test_validate_reports_dca_against_plain_rope(tmp_path, capsys):
     """The pipeline's validation of a DCA model: base = the same weights with plain RoPE (sdpa), the DCA rows
     named DCA, the growth gate against the trained context."""
     base = _base(tmp_path, max_position_embeddings=64)
@@ -167,6 +167,9 @@ def test_validate_reports_dca_against_plain_rope(tmp_path):
     assert "| context | base ppl | DCA ppl | DCA / base |" in (out / "validation" / "report.md").read_text()
     # and `cca-convert validate` re-runs it on the exported folder (base = the same weights with plain RoPE)
     assert main(["validate", str(out), "--output", str(tmp_path / "again"), "--set", "validate.context_lengths=[32,256]"]) == 0
+    printed = capsys.readouterr().out
+    assert "prefill @     32: base" in printed  # the speed lines name the method that ran: DCA, never CCA
+    assert all("DCA" in ln and "CCA" not in ln for ln in printed.splitlines() if "prefill @" in ln), printed
     again = json.loads((tmp_path / "again" / "validation" / "report.json").read_text())
     assert again["model"]["method"] == "dca"
     assert [g["length"] for g in again["gates"] if g["gate"] == "max_ppl_growth"] == [256]

@@ -100,7 +100,9 @@ class Suite:
         out["seconds"] = time.perf_counter() - start
         return out
 
-    def speed(self, base_model, base_backend, cca_model, cca_backend) -> dict:
+    def speed(self, base_model, base_backend, cca_model, cca_backend, name: str = "CCA") -> dict:
+        """Prefill time and peak memory per length, base against the converted model (``name``: its method's label,
+        CCA or DCA, in the log lines)."""
         if not self.section.speed:
             return {}
         out = {}
@@ -112,8 +114,8 @@ class Suite:
                 c = prefill(cca_model, ids, self.section.speed_repeats)
             out[str(length)] = {"base": b, "cca": c}
             self.log(f"    prefill @ {length:>6}: base {b['latency_s'] * 1e3:.1f} ms, "
-                     f"CCA {c['latency_s'] * 1e3:.1f} ms; peak memory base {report_mod._mib(b['peak_mem_bytes'])}, "
-                     f"CCA {report_mod._mib(c['peak_mem_bytes'])}")
+                     f"{name} {c['latency_s'] * 1e3:.1f} ms; peak memory base {report_mod._mib(b['peak_mem_bytes'])}, "
+                     f"{name} {report_mod._mib(c['peak_mem_bytes'])}")
         return out
 
 
@@ -206,7 +208,7 @@ def stage_validate(job) -> None:
     else:
         final = "cca"
         results[final] = state.suite.measure(job.model, None, name)
-    speed = state.suite.speed(job.model, "full", job.model, None)
+    speed = state.suite.speed(job.model, "full", job.model, None, name)
     gates = gates_mod.evaluate(section, results, final, name, getattr(job.config, "dca_trained_context", None))
     report = report_mod.build(
         section, results, speed, gates, final=final,
@@ -398,7 +400,7 @@ def run_validate(argv: list[str]) -> int:
         results["base"] = suite.measure(model, "full", "base")
     name = "DCA" if is_dca else "CCA"
     results["cca"] = suite.measure(model, None, name)
-    speed = suite.speed(base, base_backend, model, None)
+    speed = suite.speed(base, base_backend, model, None, name)
     gates = gates_mod.evaluate(section, results, "cca", name, raw.get("dca_trained_context"))
     name = repo_id or local.resolve().name
     report = report_mod.build(
