@@ -166,7 +166,8 @@ def test_validate_reports_dca_against_plain_rope(tmp_path, capsys):
     assert ppl["base"]["perplexity"]["256"]["ppl"] != pytest.approx(ppl["cca"]["perplexity"]["256"]["ppl"], rel=1e-7)
     assert "| context | base ppl | DCA ppl | DCA / base |" in (out / "validation" / "report.md").read_text()
     # and `cca-convert validate` re-runs it on the exported folder (base = the same weights with plain RoPE)
-    assert main(["validate", str(out), "--output", str(tmp_path / "again"), "--set", "validate.context_lengths=[32,256]"]) == 0
+    assert main(["validate", str(out), "--output", str(tmp_path / "again"), "--set", "validate.context_lengths=[32,256]",
+                 "--set", "validate.speed=true"]) == 0
     printed = capsys.readouterr().out
     assert "prefill @     32: base" in printed  # the speed lines name the method that ran: DCA, never CCA
     assert all("DCA" in ln and "CCA" not in ln for ln in printed.splitlines() if "prefill @" in ln), printed
