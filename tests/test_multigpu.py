@@ -66,9 +66,8 @@ def bases(tmp_path_factory):
     return out
 
 
-CASES = [("fsdp", "llama", "full"), ("fsdp", "llama", "qkv"), ("fsdp", "llama", "lora"),
-         ("fsdp", "qwen3_moe", "full"), ("fsdp", "gemma3_text", "lora"), ("fsdp", "gemma3_text", "qkv"),
-         ("ddp", "llama", "lora"), ("ddp", "llama", "qkv")]
+CASES = [("fsdp", family, method) for family in ("llama", "qwen3_moe", "gemma3_text") for method in ("full", "qkv", "lora")]
+CASES += [("ddp", "llama", "lora"), ("ddp", "llama", "qkv")]
 
 
 @pytest.mark.parametrize("kind,family,method", CASES, ids=["-".join(c) for c in CASES])
