@@ -31,6 +31,7 @@ from .paths import portable_text
 from .preflight import stage_preflight
 from .publish import stage_push
 from .recipe import Recipe
+from .validate.config import relative_length
 from .validate.runner import stage_baseline, stage_validate
 
 
@@ -65,6 +66,7 @@ class Job:
     card_extra: str = ""
     card_data: dict = field(default_factory=dict)
     memory_estimates: dict[str, float] = field(default_factory=dict)  # stage -> estimated peak bytes per device
+    relative_lengths: set[int] = field(default_factory=set)  # validation lengths the recipe gave relative to c
     roundtrip_ids: torch.Tensor | None = None
     roundtrip_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -99,6 +101,8 @@ def stage_convert(job: Job) -> None:
     # validation lengths given relative to the trained context ("8c") become tokens now that c is known
     trained = getattr(c, "dca_trained_context", None) or read_base_config(job.base_dir).get(
         "max_position_embeddings") or c.max_position_embeddings
+    job.relative_lengths = {relative_length(n, trained) for n in job.recipe.validate.context_lengths
+                            if isinstance(n, str)}  # the preflight may leave out those a device cannot afford
     job.recipe = job.recipe.model_copy(update={"validate": job.recipe.validate.resolved(trained)})
     if job.method == "dca":
         d = c.dual_chunk_attention_config

@@ -200,6 +200,8 @@ def check_memory(job, shapes: dict) -> None:
     if not estimates:
         return
     budget, device = memory.device_memory(job.device)
+    if _drop_unaffordable_relative_lengths(job, shapes, budget, device):
+        estimates = memory_estimates(job.recipe, job.config, job.dtype, job.device, shapes)
     job.memory_estimates = {e.stage: e.total for e in estimates}
     job.log("  memory per device: " + ", ".join(f"{e.stage} ~{memory.gib(e.total)}" for e in estimates)
             + f" of {device}")
@@ -208,6 +210,31 @@ def check_memory(job, shapes: dict) -> None:
         e = over[0]
         raise CCAError(f"memory: the {e.stage} stage needs about {memory.gib(e.total)} per device ({e.describe()}; "
                        f"GiB) but {device} has {memory.gib(budget)}; " + _what_fits(job, shapes, e.stage, budget))
+
+
+def _drop_unaffordable_relative_lengths(job, shapes: dict, budget: float, device: str) -> bool:
+    """Validation lengths a recipe gave relative to the trained context (``8c``: the defaults, which serve every base)
+    that this device cannot afford are left out, with a note; lengths given in tokens are never dropped (the check
+    refuses them instead). Returns whether any was dropped."""
+    v = job.recipe.validate
+    relative = getattr(job, "relative_lengths", set())
+    if not v.enabled or not relative:
+        return False
+
+    def fits(n: int) -> bool:
+        recipe = job.recipe.model_copy(update={"validate": v.model_copy(update={"context_lengths": [n]})})
+        return all(e.total <= budget for e in memory_estimates(recipe, job.config, job.dtype, job.device, shapes)
+                   if e.stage == "validate")
+
+    dropped = [n for n in v.context_lengths if n in relative and not fits(n)]
+    kept = [n for n in v.context_lengths if n not in dropped]
+    if not dropped or not kept:
+        return False
+    job.recipe = job.recipe.model_copy(update={"validate": v.model_copy(update={"context_lengths": kept})})
+    job.log(f"  note: validate.context_lengths {dropped} (given relative to the trained context) left out: one "
+            f"window there needs more memory than {device} has; lengths {kept} are validated (give lengths in "
+            "tokens to insist on longer ones)")
+    return True
 
 
 def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:

@@ -12,7 +12,6 @@ model's own decode path (on CUDA: the compressed cache and CUDA-graph decode); c
 from __future__ import annotations
 
 import json
-import sys
 
 from .errors import CCAError
 

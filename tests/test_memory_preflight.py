@@ -27,10 +27,12 @@ def test_the_sparse_checkpoint_writes_no_pages(llama8b):
 def test_8b_with_its_recipe_on_a_24_gib_cpu_is_refused_before_loading(llama8b, tmp_path, capsys, monkeypatch):
     """The CI machine's case: 2 cores, 24 GiB. The shipped recipe (LoRA at 32K, validation to 32K) would load 16 GB
     of weights and run for hours; the preflight refuses it from the headers alone."""
+    from cca_convert import pipeline, preflight
+
     monkeypatch.setattr(memory, "device_memory", lambda device: (24 * GiB, "CPU RAM (24.0 GiB, 24.0 available)"))
+    monkeypatch.setattr(preflight, "check_output_space", lambda job, shapes: None)  # a small CI disk is not the point
     monkeypatch.chdir(tmp_path)
     loaded = []
-    from cca_convert import pipeline
 
     monkeypatch.setattr(pipeline, "stage_load", lambda job: loaded.append(job))
     start = time.perf_counter()
@@ -54,6 +56,7 @@ def test_the_estimate_names_the_fixes_that_fit(llama8b, tmp_path, capsys, monkey
 
     monkeypatch.setattr(memory, "device_memory", lambda device: (79 * GiB, "NVIDIA H100 80GB HBM3 (79.2 GiB)"))
     monkeypatch.setattr(preflight, "_uses_reference_attention", lambda recipe, device: False)
+    monkeypatch.setattr(preflight, "check_output_space", lambda job, shapes: None)
     monkeypatch.setattr("cca_convert.pipeline.default_device", lambda: "cuda:0")
     monkeypatch.chdir(tmp_path)
     assert main([str(llama8b), "--output", "out", "--set", "finetune.method=full", "--set",
@@ -87,3 +90,33 @@ def test_estimates_grow_with_what_is_trained_and_shrink_with_fsdp(method):
     assert sharded[0] > sharded[1] > sharded[2]
     assert one.parts["weights"] + one.parts["trained (fp32) + gradients + AdamW"] >= 2 * shape.params * (
         8 if method == "full" else 1)
+
+
+def test_relative_default_lengths_a_gpu_cannot_afford_are_left_out_with_a_note(llama8b, tmp_path, capsys, monkeypatch):
+    """`--set method=dca` on Llama-3.1-8B (c = 128K) with its default [c, 2c, 4c, 8c] on an 80 GB card: 512K and 1M
+    are left out (one window there needs more than the card), 128K and 256K validated; lengths in tokens never are."""
+    from cca_convert import pipeline, preflight
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (79 * GiB, "NVIDIA H100 80GB HBM3 (79.2 GiB)"))
+    monkeypatch.setattr(preflight, "_uses_reference_attention", lambda recipe, device: False)
+    monkeypatch.setattr("cca_convert.pipeline.default_device", lambda: "cuda:0")
+    monkeypatch.setattr(preflight, "check_validation_data", lambda job: None)  # no held-out text download here
+    monkeypatch.setattr(preflight, "check_output_space", lambda job, shapes: None)
+    seen = []
+
+    def stop(job):
+        seen.append(list(job.recipe.validate.context_lengths))
+        raise pipeline.CCAError("stopped after the preflight (test)")
+
+    monkeypatch.setattr(pipeline, "stage_load", stop)
+    monkeypatch.setattr(pipeline, "STAGES", [s if s.name != "load" else pipeline.Stage("load", stop)
+                                             for s in pipeline.STAGES])
+    monkeypatch.chdir(tmp_path)
+    assert main([str(llama8b), "--output", "out", "--set", "method=dca"]) == 2
+    printed = capsys.readouterr().out
+    assert seen == [[131072, 262144]]
+    assert "validate.context_lengths [524288, 1048576] (given relative to the trained context) left out" in printed
+    # the same lengths given in tokens are refused, not dropped
+    assert main([str(llama8b), "--output", "out", "--set", "method=dca", "--set",
+                 "validate.context_lengths=[131072,1048576]"]) == 2
+    assert "memory: the validate stage needs about" in capsys.readouterr().err and len(seen) == 1
