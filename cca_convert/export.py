@@ -243,14 +243,34 @@ def write_shards(
     return final
 
 
-def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca") -> list[str]:
+def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca",
+                            context: int | None = None) -> list[str]:
     """The published code and the source's tokenizer files; returns the tokenizer ``auto_map`` entries dropped
-    because they point at code the export does not ship (see ``drop_foreign_auto_map``)."""
+    because they point at code the export does not ship (see ``drop_foreign_auto_map``). ``context``: the converted
+    config's ``max_position_embeddings``, which the tokenizer's ``model_max_length`` is set to."""
     published.write_code(folder, family, method)
     for name in TOKENIZER_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, folder / name)
+    if context:
+        set_model_max_length(folder / "tokenizer_config.json", context)
     return drop_foreign_auto_map(folder / "tokenizer_config.json")
+
+
+def set_model_max_length(path: Path, context: int) -> None:
+    """The tokenizer claims the context the config claims: a base's ``model_max_length: 2048`` kept in an export that
+    reads 16384 tokens makes every long input warn ("will result in indexing errors") and ``truncation=True`` cut at
+    2048. No ``model_max_length``, or transformers' "no limit" (1e30), is left as it is."""
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return
+    current = config.get("model_max_length") if isinstance(config, dict) else None
+    if isinstance(current, (int, float)) and current < 1e20 and current != context:
+        config["model_max_length"] = context
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def drop_foreign_auto_map(path: Path) -> list[str]:

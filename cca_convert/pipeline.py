@@ -176,7 +176,8 @@ def stage_export(job: Job) -> None:
     job.model = None
     gc.collect()
     job.config.save_pretrained(folder)
-    dropped = export.copy_code_and_tokenizer(job.base_dir, folder, job.family, job.method)
+    dropped = export.copy_code_and_tokenizer(job.base_dir, folder, job.family, job.method,
+                                             context=job.config.max_position_embeddings)
     if dropped:
         job.log(f"  warning: tokenizer_config.json's auto_map named code this export does not ship; dropped "
                 f"({'; '.join(dropped)}): the tokenizer loads without remote code")

@@ -9,6 +9,7 @@ errors with file:line; what DCA cannot convert is refused with the reason.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,17 @@ def test_validate_reports_dca_against_plain_rope(tmp_path, capsys):
     again = json.loads((tmp_path / "again" / "validation" / "report.json").read_text())
     assert again["model"]["method"] == "dca"
     assert [g["length"] for g in again["gates"] if g["gate"] == "max_ppl_growth"] == [256]
+
+
+def test_the_exported_tokenizer_claims_the_converted_context(tmp_path):
+    """examples/tiny-llama's tokenizer says model_max_length 2048; its DCA export reads 8 x 2048 tokens, and so does
+    its tokenizer (no "indexing errors" warning, truncation at the real context)."""
+    from transformers import AutoTokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    assert main([str(repo / "examples" / "tiny-llama"), "--output", str(out), "--set", "method=dca",
+                 "--set", "validate.enabled=false", "--set", "export.roundtrip=false"]) == 0
+    context = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+    assert context == 16384
+    assert AutoTokenizer.from_pretrained(out).model_max_length == context
