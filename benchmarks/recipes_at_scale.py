@@ -72,6 +72,25 @@ MODELS = {
         num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
         max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16",
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)])),
+    "qwen2.5-7b": ("qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        dtype="bfloat16")),
+    "mistral-7b": ("mistral", dict(  # v0.3: no sliding window
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    "olmo2-7b": ("olmo2", dict(
+        vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, pad_token_id=100277, bos_token_id=None,
+        eos_token_id=100257, dtype="bfloat16")),
+    "llama-2-7b-32k": ("llama", dict(  # Llama-2-7B; the recipe extends it to 32K (rope_theta 500000)
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        dtype="bfloat16")),
     "phi-4": ("phi3", dict(
         vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
         num_key_value_heads=10, max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -185,18 +185,17 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
-def _run(handler, argv: list[str], debug: bool) -> int:
+def _dispatch(handler, argv: list[str]) -> int:
     try:
         return handler(argv[1:]) if handler else run_convert(argv)
     except BaseException:
         _close_progress_bars()
-        return _report(handler, argv, debug)
-
-
-def _report(handler, argv: list[str], debug: bool) -> int:
-    """The one `error:` line (and exit code) of the exception being handled."""
-    try:
         raise
+
+
+def _run(handler, argv: list[str], debug: bool) -> int:
+    try:
+        return _dispatch(handler, argv)
     except CCAError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"error: {line}", file=sys.stderr)

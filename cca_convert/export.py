@@ -9,6 +9,7 @@ dropped, so exporting an 8B model never holds more than one shard beyond the sou
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -155,6 +156,11 @@ def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
                            "download is truncated or corrupt: download it again") from None
     return shapes
+
+
+def export_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+    """The exported repo's size: the weights at the export dtype, plus code, tokenizer and card."""
+    return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize + 64 * 2**20
 
 
 def stream_base_tensors(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import math
 import os
 import shutil
 import time
@@ -25,6 +24,7 @@ from . import export, roundtrip
 from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
+from .finetune.trainer import latest_checkpoint
 from .model_card import build_model_card
 from .output_guard import check_output, data_files_of, protected_paths
 from .paths import portable_text
@@ -166,9 +166,7 @@ def stage_export(job: Job) -> None:
     except Exception as exc:  # OSError(ENOSPC), or safetensors' own error type with the same words
         if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and "No space left" not in str(exc):
             raise
-        from .export import weight_shapes
-
-        need = sum(math.prod(shape) for shape in weight_shapes(Path(job.base_dir)).values()) * job.dtype.itemsize
+        need = export.export_bytes(export.weight_shapes(Path(job.base_dir)), job.dtype)
         free = shutil.disk_usage(folder).free
         raise CCAError(f"the disk of {job.output.resolve().parent} filled up while writing the weights: "
                        f"{free / 2**30:.1f} GiB free, the export needs about {need / 2**30:.1f} GiB; free space or "
@@ -251,21 +249,15 @@ def _run_worker(job: Job) -> None:
     return None
 
 
-def _checkpoint_of(job: Job) -> Path | None:
-    folder = job.work_dir / "finetune"
-    return folder if any((folder / name / "state.json").is_file() for name in ("checkpoint", "checkpoint.old")) \
-        else None
-
-
 def drop_work_dir_without_results(job: Job) -> Path | None:
     """A failed run leaves its work folder only when it holds something to go on from: a finetune checkpoint
     (``--resume``, ``--force``) or the validation report a failed gate points to. Else (a refusal, a crash before
-    the first checkpoint) nothing of the run stays beside the output. Returns the checkpoint folder that stays."""
+    the first checkpoint) nothing of the run stays beside the output. Returns the checkpoint's folder if one stays."""
     work = job.work_dir
-    checkpoints = [p for p in (work / "finetune" / "checkpoint", work / "finetune" / "checkpoint.old") if p.exists()]
-    if work.is_dir() and not checkpoints and not (work / "validation").exists():
+    checkpoint = latest_checkpoint(work / "finetune")
+    if work.is_dir() and checkpoint is None and not (work / "validation").exists():
         shutil.rmtree(work, ignore_errors=True)
-    return checkpoints[0].parent if checkpoints else None
+    return checkpoint.parent if checkpoint else None
 
 
 def _run_stages(job: Job) -> Path:
@@ -284,7 +276,7 @@ def _run_stages(job: Job) -> Path:
         job.staging = staging.path
         for folder in staging.removed:
             job.log(f"  removed {folder.name}, left beside the output by a run that was killed")
-        earlier = _checkpoint_of(job)  # an earlier run's, which a refusal of this one must not hide
+        earlier = latest_checkpoint(job.work_dir / "finetune")  # an earlier run's: a refusal must not hide it
         try:
             for i, stage in enumerate(stages, 1):
                 if not stage.after_commit:

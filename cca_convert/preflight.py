@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import CCAError
-from .export import TOKENIZER_FILES, weight_shapes
+from .export import TOKENIZER_FILES, export_bytes, weight_shapes
 
 
 class Problems:
@@ -150,8 +150,7 @@ def check_output_space(job, shapes: dict) -> None:
         raise CCAError(f"--output {job.output}: {probe} is a file, not a folder; choose another --output")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise CCAError(f"--output {job.output}: {probe} is not writable; choose another --output")
-    elements = sum(math.prod(shape) for shape in shapes.values())
-    need = elements * job.dtype.itemsize + 64 * 2**20  # the weights at the export dtype, plus code and card
+    need = export_bytes(shapes, job.dtype)
     free = shutil.disk_usage(probe).free
     if free < need:
         raise CCAError(f"--output {job.output}: {free / 2**30:.1f} GiB free on its disk, the export needs about "

@@ -153,6 +153,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint under ``root`` (``<work_dir>/finetune``), if any: ``checkpoint``, else ``checkpoint.old``
+    (which survives a crash between the two renames of ``Checkpoints.save``)."""
+    for p in (root / "checkpoint", root / "checkpoint.old"):
+        if (p / "state.json").is_file():
+            return p
+    return None
+
+
 class Checkpoints:
     """``<work_dir>/finetune/checkpoint``: the last checkpoint, replaced atomically."""
 
@@ -162,10 +171,7 @@ class Checkpoints:
         self.fsdp = accelerator.distributed_type.value == "FSDP"
 
     def latest(self) -> Path | None:
-        for p in (self.path, self.old):  # .old survives a crash between the two renames of save()
-            if (p / "state.json").is_file():
-                return p
-        return None
+        return latest_checkpoint(self.root)
 
     def read_state(self, path: Path) -> dict:
         return json.loads((path / "state.json").read_text())
