@@ -89,16 +89,17 @@ def file_format(spec: TextSource, files: list[str], section: str) -> str:
     return kinds.pop()
 
 
-UTF8_PROBE = 64 * 2**20  # bytes of each text/json file checked up front (all of it when smaller)
+UTF8_PROBE = 64 * 2**20  # bytes of text/json checked up front, over all files (at least 1 MiB of each)
 
 
-def check_utf8(path: Path, section: str) -> None:
-    """A text or JSON file must be UTF-8: a binary or Latin-1 file is named here, not deep inside ``datasets``."""
+def check_utf8(path: Path, section: str, probe: int = UTF8_PROBE) -> None:
+    """A text or JSON file must be UTF-8: a binary or Latin-1 file is named here, not deep inside ``datasets``. Only
+    its first ``probe`` bytes are read (a corpus of many large shards is not read twice before training)."""
     import codecs
 
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as f:
-        while offset < UTF8_PROBE:
+        while offset < probe:
             chunk = f.read(2**20)
             try:
                 decoder.decode(chunk, final=not chunk)
@@ -124,7 +125,7 @@ def load_documents(spec: TextSource, section: str):
         builder = spec.dataset or file_format(spec, files, section)
         if builder in ("text", "json"):
             for f in files:
-                check_utf8(Path(f), section)
+                check_utf8(Path(f), section, max(2**20, UTF8_PROBE // len(files)))
         kwargs["data_files"] = {spec.split.split("[")[0]: files}
         if builder == "text":
             kwargs["sample_by"] = spec.sample_by
