@@ -138,6 +138,11 @@ def run_one(args, model, backend, root: Path, resume=False, on_step=None):
     return job, metrics, wall
 
 
+def _print_step(step, record):
+    """Each step as it ends (a run cut short by a time limit still shows its steps)."""
+    print(json.dumps({**record, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+
+
 def summarize(backend, metrics, wall):
     timed = metrics[1:] or metrics
     return {
@@ -162,7 +167,12 @@ def main():
     p.add_argument("--resume-check", action="store_true",
                    help="instead: tiny model, SIGTERM on rank 0 at step 2, resume, compare with a straight run")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="shortcut, labelled in the output: skip writing the final checkpoint (an 8B full finetune's "
+                        "is ~96 GB of weights + AdamW state; it is not part of tokens/s)")
     args = p.parse_args()
+    if args.no_checkpoint:
+        trainer.Checkpoints.save = lambda self, *a, **k: None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         args.backends = args.backends[:1]  # ranks > 0 leave after each run: one run per launch
     if args.tiny:
@@ -173,6 +183,7 @@ def main():
     torch.cuda.set_device(device)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     results = {"gpu": torch.cuda.get_device_name(), "seq_len": args.seq_len, "method": args.method,
+               "final_checkpoint": "skipped (--no-checkpoint)" if args.no_checkpoint else "written",
                "world": int(os.environ.get("WORLD_SIZE", "1")), "shape": "tiny" if args.tiny else "llama-3.1-8b",
                "runs": []}
     root = Path(os.environ.get("FT8B_ROOT", "/tmp/ft8b-shared"))  # same path on every rank (one host)
@@ -194,7 +205,7 @@ def main():
               flush=True)
     for backend in args.backends:
         try:
-            job, metrics, wall = run_one(args, model, backend, root / backend)
+            job, metrics, wall = run_one(args, model, backend, root / backend, on_step=_print_step if rank0 else None)
         except SystemExit:
             raise  # non-zero ranks leave after training (rank 0 exports)
         except Exception as exc:  # OOM, a kernel failure: record it and go on with the next backend
