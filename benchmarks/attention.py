@@ -54,11 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
-from cca_convert import published  # noqa: E402
 
-ref = published.load("cca_reference")
-tri = published.load("cca_triton")
-pool = published.load("cca_pool_triton")
+from cca_convert.kernels import cca_pool_triton as pool  # noqa: E402
+from cca_convert.kernels import cca_reference as ref  # noqa: E402
+from cca_convert.kernels import cca_triton as tri  # noqa: E402
 
 
 def score_entries(L, g, s, causal_full=False):

@@ -38,10 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
-from cca_convert import published  # noqa: E402
-
-ref = published.load("dca_reference")
-tri = published.load("dca_triton")
+from cca_convert import methods, published  # noqa: E402
+from cca_convert.kernels import dca_reference as ref  # noqa: E402
+from cca_convert.kernels import dca_triton as tri  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 CHUNK, LOCAL = 6144, 1024
@@ -210,7 +209,7 @@ def model_rows(lengths, new_tokens):
         dtype="bfloat16")
     config.dual_chunk_attention_config = {"chunk_size": CHUNK, "local_size": LOCAL,
                                           "original_max_position_embeddings": 0}
-    cls = published.family_class(FAMILIES["llama"], "dca")
+    cls = published.family_class(FAMILIES["llama"], methods.get("dca"))
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         torch.manual_seed(0)

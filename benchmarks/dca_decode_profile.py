@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cca_convert import published  # noqa: E402
 
-tri = published.load("dca_triton")
+from cca_convert.kernels import dca_triton as tri  # noqa: E402
+
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(1, 8, L, 128, device="cuda", dtype=torch.bfloat16)

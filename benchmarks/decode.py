@@ -47,8 +47,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
-from cca_convert import published  # noqa: E402
+from cca_convert import methods, published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
+from cca_convert.modeling import cache_cca as cache_module  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
 BACKENDS = ("cca", "cca-eager", "full", "full-static")
@@ -72,7 +73,7 @@ def configs(args):
 def build(args, dtype):
     """The CCA export's class and stock LlamaForCausalLM, sharing one set of random weights."""
     config = configs(args)
-    cls = published.family_class(FAMILIES["llama"], "cca")
+    cls = published.family_class(FAMILIES["llama"], methods.get("cca"))
     torch.set_default_dtype(dtype)
     try:
         with torch.device(args.device):
@@ -101,7 +102,7 @@ def floor_ms(model, backend, context, batch, bandwidth) -> float:
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
-    cache_cca, cache_full = published.load("cache_cca").cache_bytes(
+    cache_cca, cache_full = cache_module.cache_bytes(
         context, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
         cfg.cca_group_size, cfg.cca_local_window, cfg.cca_pooling, model.dtype.itemsize, batch)
     return (weights + (cache_cca if backend.startswith("cca") else cache_full)) / bandwidth * 1e3

@@ -20,17 +20,18 @@ Per-token latency = mean over timed steps of one ``forward`` of one new token (C
 import argparse
 import csv
 import os
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import transformers
 
-from cca_convert import published
-
-mc = published.load("modeling_cca")
-cc = published.load("configuration_cca")
-cache_mod = published.load("cache_cca")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cca_convert.modeling import cache_cca as cache_mod  # noqa: E402
+from tests.legacy import configuration_cca as cc  # noqa: E402  (the first releases' class, kept as a test reference)
+from tests.legacy import modeling_cca as mc  # noqa: E402
 
 BF16 = torch.bfloat16
 DEV = "cuda"

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from cca_convert import published
+from cca_convert import methods, published
 from cca_convert.errors import CCAError
 from cca_convert.families import FAMILIES
 from cca_convert.finetune import trainer
@@ -72,6 +72,10 @@ class BenchJob:
     def dtype(self):
         return torch.bfloat16
 
+    @property
+    def method(self):
+        return methods.get(self.recipe.method)
+
 
 class RandomTokens:
     """Deterministic random blocks: micro-batch m of rank r is a function of (seed, m, r)."""
@@ -105,7 +109,7 @@ def build_model(shape: dict, device: str, backend: str):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = published.family_class(FAMILIES["llama"], "cca")(config)
+            model = published.family_class(FAMILIES["llama"], methods.get("cca"))(config)
     finally:
         torch.set_default_dtype(torch.float32)
     return model

@@ -28,12 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
-from cca_convert import published  # noqa: E402
+from cca_convert.modeling import cca_hf  # noqa: E402
 
 
 def new_cache(model, backend):
     if backend == "cca":
-        return published.load("cca_hf").HFCCACache(model.config)
+        return cca_hf.HFCCACache(model.config)
     return None  # the stock model makes its DynamicCache
 
 

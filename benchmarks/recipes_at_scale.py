@@ -37,7 +37,7 @@ configure_allocator()  # as the CLI does, before CUDA starts
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from cca_convert import memory, published  # noqa: E402
+from cca_convert import memory, methods, published  # noqa: E402
 from cca_convert.convert import build_config  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
 from cca_convert.finetune import trainer  # noqa: E402
@@ -139,7 +139,7 @@ def build_model(family: str, config, device: str, dtype: torch.dtype):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = published.family_class(FAMILIES[family], "cca")(config)
+            model = published.family_class(FAMILIES[family], methods.get("cca"))(config)
     finally:
         torch.set_default_dtype(torch.float32)
     return model
@@ -197,7 +197,7 @@ def run_row(args, row: str) -> dict:
     config = build_config(folder, recipe)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in published.family_class(FAMILIES[family], "cca")(config)
+        shapes = {n: tuple(p.shape) for n, p in published.family_class(FAMILIES[family], methods.get("cca"))(config)
                   .named_parameters()}
     lengths = args.validate_lengths or [max(recipe.validate.context_lengths)]
     lengths = [n for n in lengths if n <= config.max_position_embeddings]

@@ -70,7 +70,7 @@ def _version() -> str:
         return "(source checkout)"
 
 
-def default_output(source: str, method: str = "cca") -> Path:
+def default_output(source: str, method: str) -> Path:
     return Path(f"{Path(source.rstrip('/')).name}-{method}")
 
 
@@ -85,8 +85,10 @@ def run_convert(argv: list[str]) -> int:
     from .recipe import parse_overrides
 
     recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
-    method = recipe.method if recipe else dict(parse_overrides(args.overrides)).get("method", "cca")
-    output = args.output or default_output(args.source, method if method in ("cca", "dca") else "cca")
+    from . import methods
+
+    method = recipe.method if recipe else dict(parse_overrides(args.overrides)).get("method", methods.DEFAULT)
+    output = args.output or default_output(args.source, method if method in methods.METHODS else methods.DEFAULT)
     local = Path(args.source).expanduser()
     # before any download; the pipeline checks again against the resolved source (a Hub id's cache folder)
     check_output(output, args.overwrite, protected_paths(local if local.exists() else None, args.recipe,
@@ -112,7 +114,7 @@ COMMANDS = {}  # subcommand name -> handler(argv) -> exit code; the default comm
 
 
 def _validate(argv: list[str]) -> int:
-    from .validate.runner import run_validate
+    from .validate_command import run_validate
 
     return run_validate(argv)
 

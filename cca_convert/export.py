@@ -249,9 +249,9 @@ def write_shards(
     return final
 
 
-def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method: str = "cca",
+def copy_code_and_tokenizer(base_dir: Path, folder: Path, family, method,
                             context: int | None = None) -> list[str]:
-    """The published code and the source's tokenizer files; returns the tokenizer ``auto_map`` entries dropped
+    """The published code of ``method`` (a ``methods.Method``) and the source's tokenizer files; returns the tokenizer ``auto_map`` entries dropped
     because they point at code the export does not ship (see ``drop_foreign_auto_map``). ``context``: the converted
     config's ``max_position_embeddings``, which the tokenizer's ``model_max_length`` is set to."""
     published.write_code(folder, family, method)

@@ -1,8 +1,9 @@
 """The base-model families cca-convert supports: one row each, read by the converter, the CLI help, the default
 recipes, the finetune (which projections are Q/K/V) and the tests.
 
-A family's CCA model is transformers' own causal-LM class with ``CCAModelMixin`` in front (``modeling/cca_hf.py``);
-the exported repo's ``modeling_cca_<model_type>.py`` is generated from the row (``published.modeling_source``).
+A family's model under a method is transformers' own causal-LM class with the method's mixin in front (e.g.
+``CCAModelMixin``, ``modeling/cca_hf.py``); the exported repo's ``modeling_<method>_<model_type>.py`` is generated
+from the row (``published.modeling_source``).
 Adding a family = a row here + a shipped recipe (+ tiny-checkpoint sizes in ``tests/factories.TINY`` if the
 defaults do not fit). What the row cannot
 express is refused by ``config_problems`` with the reason, never converted approximately.
@@ -26,19 +27,11 @@ class Family:
 
     dca_recipe: str = "dca-default.yaml"  # the default recipe of method dca (--set method=dca)
 
-    def class_name(self, method: str = "cca") -> str:
+    def class_name(self, method: str) -> str:
         return f"{method.upper()}{self.causal_lm}"
 
-    def module_name(self, method: str = "cca") -> str:
+    def module_name(self, method: str) -> str:
         return f"modeling_{method}_{self.model_type}"
-
-    @property
-    def cca_class(self) -> str:
-        return self.class_name("cca")
-
-    @property
-    def module(self) -> str:
-        return self.module_name("cca")
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -96,25 +89,6 @@ def config_problems(raw: dict) -> list[str]:
     return problems
 
 
-def dca_problems(config) -> list[str]:
-    """What DCA (which re-indexes the RoPE of full-attention layers) refuses in a built base config, with why."""
-    problems = []
-    types = getattr(config, "layer_types", None)
-    if getattr(config, "sliding_window", None) is not None and (
-            "sliding_attention" in types if types else getattr(config, "use_sliding_window", True)):
-        problems.append(f"sliding_window={config.sliding_window}: DCA re-indexes full attention; a sliding "
-                        "window never sees past its window, so there is nothing to extend (convert it with CCA, "
-                        "which replaces the window, or a checkpoint without one)")
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type") if isinstance(rope, dict) else None
-    if rope_type == "dynamic":
-        problems.append("rope_type='dynamic': its frequencies change with the input length, while DCA needs the "
-                        "trained ones at every length; convert with a static rope type")
-    if getattr(config, "attention_dropout", 0):
-        problems.append(f"attention_dropout={config.attention_dropout}: the DCA attention has no dropout")
-    return problems
-
-
 def replaces_sliding_window(config) -> bool:
     """True when every layer of a (built) base config is a sliding-window layer (Mistral's ``sliding_window``):
     there CCA replaces the window itself — its local window plus core tokens of older groups — rather than leaving
@@ -123,15 +97,3 @@ def replaces_sliding_window(config) -> bool:
         return False
     types = getattr(config, "layer_types", None)
     return types is None or all(t == "sliding_attention" for t in types)
-
-
-def cca_settings(config) -> dict:
-    """The CCA settings of a converted config under the recipe's names (``cca_*`` fields; the first releases'
-    ``model_type: cca`` configs had them unprefixed)."""
-    names = ("group_size", "local_window", "pooling", "attn_backend")
-    if getattr(config, "model_type", None) == "cca":
-        return {k: getattr(config, k) for k in names}
-    from .published import load
-
-    defaults = load("cca_hf").DEFAULTS  # what the model itself uses for an unset field
-    return {k: getattr(config, f"cca_{k}", defaults[k]) for k in names}

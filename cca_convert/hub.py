@@ -61,6 +61,11 @@ STALE_WEIGHT_PATTERNS = [
 LOGIN_HINT = "log in with `hf auth login` or set HF_TOKEN"
 
 
+def is_hub_id(name: str) -> bool:
+    """A Hub repo id (``owner/name``) that is not a path on this machine."""
+    return not Path(name).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
 def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 

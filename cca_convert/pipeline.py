@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import export, roundtrip
+from . import export, methods, roundtrip
 from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
@@ -79,8 +79,8 @@ class Job:
         return self.output.resolve().parent / f".{self.output.name}.work"
 
     @property
-    def method(self) -> str:
-        return self.recipe.method
+    def method(self) -> methods.Method:
+        return methods.get(self.recipe.method)
 
     @property
     def family(self):
@@ -99,24 +99,14 @@ def stage_convert(job: Job) -> None:
     job.config = build_config(job.base_dir, job.recipe)
     c = job.config
     # validation lengths given relative to the trained context ("8c") become tokens now that c is known
-    trained = getattr(c, "dca_trained_context", None) or read_base_config(job.base_dir).get(
+    trained = job.method.trained_context(c) or read_base_config(job.base_dir).get(
         "max_position_embeddings") or c.max_position_embeddings
     job.relative_lengths = {relative_length(n, trained) for n in job.recipe.validate.context_lengths
                             if isinstance(n, str)}  # the preflight may leave out those a device cannot afford
     job.recipe = job.recipe.model_copy(update={"validate": job.recipe.validate.resolved(trained)})
-    if job.method == "dca":
-        d = c.dual_chunk_attention_config
-        job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
-                f"heads; DCA chunk_size C={d['chunk_size']} local_size w={d['local_size']} (chunk length "
-                f"{d['chunk_size'] - d['local_size']}), temperature "
-                + (f"past {d['original_max_position_embeddings']}" if d.get("original_max_position_embeddings")
-                   else "off"))
-        return
-    replaced = getattr(c, "cca_replaced_sliding_window", None)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
-            f"heads, head_dim {head_dim}; CCA g={c.cca_group_size} s={c.cca_local_window} pooling={c.cca_pooling}"
-            + (f"; CCA replaces its sliding window ({replaced})" if replaced else ""))
+            f"heads, head_dim {head_dim}; {job.method.describe(c)}")
 
 
 def check_finite_weights(model, where: str) -> None:

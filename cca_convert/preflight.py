@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+from . import methods
 from .errors import CCAError
 from .export import TOKENIZER_FILES, export_bytes, weight_shapes
 
@@ -26,63 +27,6 @@ class Problems:
             fn(*args)
         except CCAError as exc:
             self.errors.append(str(exc))
-
-
-def check_cca_ranges(job, problems: Problems) -> None:
-    c, cca = job.config, job.recipe.cca
-    context = c.max_position_embeddings
-    if cca.group_size > context:
-        problems.errors.append(f"cca.group_size={cca.group_size} exceeds the model's context (max_position_embeddings="
-                               f"{context}): no group would ever be pooled; use a group size well below it (e.g. 16)")
-    if cca.local_window > context:
-        problems.warnings.append(f"cca.local_window={cca.local_window} >= the context ({context}): every query sees "
-                                 "all its keys raw, so CCA is plain causal attention here (no saving)")
-    elif cca.local_window < cca.group_size:
-        problems.warnings.append(f"cca.local_window={cca.local_window} < cca.group_size={cca.group_size}: the newest "
-                                 "queries of a group then see fewer than g raw keys (allowed; the paper uses s >= g)")
-    if job.recipe.export.roundtrip and job.recipe.export.roundtrip_tokens > context:
-        problems.errors.append(f"export.roundtrip_tokens={job.recipe.export.roundtrip_tokens} exceeds the context "
-                               f"({context}); lower it")
-    if cca.attn_backend == "triton" and not str(job.device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        problems.errors.append("cca.attn_backend=triton needs a CUDA GPU and this run is on the CPU: use auto "
-                               "(Triton on CUDA, the reference elsewhere) or reference")
-    v = job.recipe.validate
-    if v.enabled:
-        beyond = [n for n in v.context_lengths if n > context]
-        if beyond:
-            problems.errors.append(f"validate.context_lengths {beyond} exceed the model's context "
-                                   f"(max_position_embeddings={context}); drop them, or extend the context with "
-                                   "cca.max_position_embeddings (and a finetune)")
-        base_ctx = _base_context(job)
-        if base_ctx and not beyond and any(n > base_ctx for n in v.context_lengths):
-            problems.warnings.append(f"validate.context_lengths go past the base model's own context ({base_ctx}): "
-                                     "its perplexity there is out of its trained range")
-
-
-def check_dca_ranges(job, problems: Problems) -> None:
-    c = job.config
-    context = c.max_position_embeddings
-    if job.recipe.export.roundtrip and job.recipe.export.roundtrip_tokens > context:
-        problems.errors.append(f"export.roundtrip_tokens={job.recipe.export.roundtrip_tokens} exceeds the context "
-                               f"({context}); lower it")
-    if job.recipe.dca.attn_backend == "triton" and not str(job.device).startswith("cuda") and \
-            os.environ.get("TRITON_INTERPRET") != "1":
-        problems.errors.append("dca.attn_backend=triton needs a CUDA GPU and this run is on the CPU: use auto "
-                               "(Triton on CUDA, the reference elsewhere) or reference")
-    v = job.recipe.validate
-    beyond = [n for n in v.context_lengths if n > context] if v.enabled else []
-    if beyond:
-        problems.errors.append(f"validate.context_lengths {beyond} exceed the converted model's context "
-                               f"(max_position_embeddings={context}); drop them, or raise dca.max_position_embeddings")
-
-
-def _base_context(job) -> int | None:
-    import json
-
-    try:
-        return json.loads((Path(job.base_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
 
 
 def read_weight_shapes(job) -> dict[str, tuple[int, ...]]:
@@ -158,9 +102,7 @@ def check_output_space(job, shapes: dict) -> None:
 
 
 def _uses_reference_attention(recipe, device) -> bool:
-    """The PyTorch reference attention (O(L^2) memory) runs: asked for, or auto on a CPU."""
-    backend = (recipe.dca if recipe.method == "dca" else recipe.cca).attn_backend
-    return backend == "reference" or (backend == "auto" and not str(device).startswith("cuda"))
+    return methods.get(recipe.method).uses_reference_attention(recipe, device)
 
 
 def memory_estimates(recipe, config, dtype, device, shapes: dict) -> list:
@@ -286,7 +228,7 @@ def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
 def stage_preflight(job) -> None:
     start = time.perf_counter()
     problems = Problems()
-    (check_dca_ranges if job.method == "dca" else check_cca_ranges)(job, problems)
+    job.method.check_ranges(job, problems)
     try:
         shapes = read_weight_shapes(job)
     except CCAError as exc:

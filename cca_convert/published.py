@@ -1,83 +1,75 @@
-"""The files published verbatim into every converted repo, and how cca_convert imports them.
+"""The code published verbatim into every converted repo, and how an export gets it.
 
-``modeling/`` and ``kernels/`` live side by side in the source tree, but a published repo is flat
-(transformers' remote-code loader resolves only ``from .sibling import x``). To run exactly the code
-users will run, we import both folders as ONE virtual package whose ``__path__`` spans them, so the
-files' relative imports resolve here just as they do in a Hub repo.
+``cca_convert.modeling`` (the model side) and ``cca_convert.kernels`` (attention kernels and their PyTorch twins) are
+one real package: modeling's files import the kernels as ``from ..kernels.x import y``. A Hub repo is flat
+(transformers' remote-code loader resolves only ``from .sibling import y``), so an export copies the files a method's
+model imports, transitively, and rewrites ``..kernels.x`` to ``.x``. Nothing else ships.
 """
 
-import importlib
-import shutil
-import sys
-import types
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
 from pathlib import Path
 
-try:  # installed: pyproject maps modeling/ and kernels/ to cca_convert.modeling / cca_convert.kernels
-    from . import kernels as _kernels_pkg
-    from . import modeling as _modeling_pkg
-
-    MODELING_DIR = Path(_modeling_pkg.__file__).parent
-    KERNELS_DIR = Path(_kernels_pkg.__file__).parent
-except ImportError:  # a source checkout on PYTHONPATH, not installed
-    MODELING_DIR = Path(__file__).resolve().parent.parent / "modeling"
-    KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
-PACKAGE = "cca_convert._published"
-
-# Copied into every exported repo of a method, in this order (modeling first: it is what users read), beside the
-# family's generated modeling_<method>_<model_type>.py. modeling_cca.py/configuration_cca.py (the first releases'
-# Llama/Qwen2-only model_type "cca") are no longer exported; they stay as the reference the CCA shim is tested against.
-METHOD_FILES = {
-    "cca": {
-        "cca_hf.py": MODELING_DIR,
-        "attention_hooks.py": MODELING_DIR,
-        "attention_cca.py": MODELING_DIR,
-        "cache_cca.py": MODELING_DIR,
-        "decode_graph.py": MODELING_DIR,
-        "cca_reference.py": KERNELS_DIR,
-        "cca_triton.py": KERNELS_DIR,
-        "cca_gluon.py": KERNELS_DIR,
-        "cca_pool_triton.py": KERNELS_DIR,
-        "cca_decode_triton.py": KERNELS_DIR,
-        "skinny_triton.py": KERNELS_DIR,
-        "tma.py": KERNELS_DIR,
-    },
-    "dca": {
-        "dca_hf.py": MODELING_DIR,
-        "attention_hooks.py": MODELING_DIR,
-        "dca_reference.py": KERNELS_DIR,
-        "dca_triton.py": KERNELS_DIR,
-        "tma.py": KERNELS_DIR,
-    },
-}
-# What the generated file says and imports, per method: (title, shim module, mixin class)
-METHODS = {
-    "cca": ("Core Context Aware attention", "cca_hf", "CCAModelMixin",
-            "whose full attention layers run CCA (cca_hf.py says how; everything else is the stock model)"),
-    "dca": ("Dual Chunk Attention", "dca_hf", "DCAModelMixin",
-            "whose attention layers run DCA's chunked RoPE positions (dca_hf.py says how; everything else is the "
-            "stock model)"),
-}
+MODELING_DIR = Path(__file__).resolve().parent / "modeling"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+_FOLDERS = {"modeling": MODELING_DIR, "kernels": KERNELS_DIR}
+_FLAT = re.compile(r"^(\s*from )\.\.(?:kernels|modeling)(?:\.(\w+))?( import )", re.MULTILINE)
 
 
-def published_paths(method: str = "cca") -> list[Path]:
-    """Paths of the published files of ``method`` that exist in this build."""
-    return [folder / name for name, folder in METHOD_FILES[method].items() if (folder / name).exists()]
+def imported_files(path: Path) -> list[Path]:
+    """The published files ``path`` imports (relative imports, those under ``try:`` included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        parts = node.module.split(".") if node.module else []
+        if node.level == 1:
+            folder = path.parent
+        elif node.level == 2 and parts and parts[0] in _FOLDERS:
+            folder, parts = _FOLDERS[parts[0]], parts[1:]
+        else:
+            raise ValueError(f"{path.name}:{node.lineno}: a published file imports only its own package's files")
+        names = parts[:1] if parts else [alias.name for alias in node.names]
+        out += [folder / f"{name}.py" for name in names]
+    return out
 
 
-def modeling_source(family, method: str = "cca") -> str:
+@cache
+def published_files(start: Path) -> tuple[Path, ...]:
+    """A published module (``modeling/<module>.py``) and every published file it imports, transitively (modeling's
+    first: what users read)."""
+    seen, todo = [start], [start]
+    while todo:
+        for dep in imported_files(todo.pop(0)):
+            if not dep.is_file():
+                raise FileNotFoundError(f"{dep} (imported by a published file) is missing from this build")
+            if dep not in seen:
+                seen.append(dep)
+                todo.append(dep)
+    return tuple(sorted(seen, key=lambda p: p.parent == KERNELS_DIR))
+
+
+def flat_source(path: Path) -> str:
+    """A published file as a flat repo holds it: ``from ..kernels.x import`` becomes ``from .x import``."""
+    return _FLAT.sub(lambda m: f"{m.group(1)}.{m.group(2) or ''}{m.group(3)}", path.read_text())
+
+
+def modeling_source(family, method) -> str:
     """The exported ``modeling_<method>_<model_type>.py`` of a ``families.Family`` row: the stock class with the
-    method's mixin in front."""
-    title, shim, mixin, what = METHODS[method]
-    cls = family.class_name(method)
-    return f'''"""{family.names} with {title}: transformers' own {family.causal_lm},
-{what}."""
+    method's mixin in front (``family_class`` is the same class, built here)."""
+    cls = family.class_name(method.name)
+    return f'''"""{family.names} with {method.title}: transformers' own {family.causal_lm},
+{method.what}."""
 
 from transformers import {family.causal_lm}
 
-from .{shim} import {mixin}
+from .{method.module} import {method.mixin_name}
 
 
-class {cls}({mixin}, {family.causal_lm}):
+class {cls}({method.mixin_name}, {family.causal_lm}):
     pass
 
 
@@ -85,30 +77,21 @@ __all__ = ["{cls}"]
 '''
 
 
-def write_code(folder: Path, family, method: str = "cca") -> None:
-    """The method's published files plus the family's modeling file, into an export folder."""
-    for path in published_paths(method):
-        shutil.copyfile(path, folder / path.name)
-    (folder / f"{family.module_name(method)}.py").write_text(modeling_source(family, method))
+def write_code(folder: Path, family, method) -> None:
+    """The method's published files, flattened, plus the family's modeling file, into an export folder."""
+    for path in published_files(method.module_file()):
+        (folder / path.name).write_text(flat_source(path))
+    (folder / f"{family.module_name(method.name)}.py").write_text(modeling_source(family, method))
 
 
-def family_class(family, method: str = "cca") -> type:
-    """The family's class for ``method``, from exactly the source its exported repo gets."""
-    module_name = family.module_name(method)
-    name = f"{PACKAGE}.{module_name}"
-    if name not in sys.modules:
-        load(METHODS[method][1])  # the package and the shim first
-        module = types.ModuleType(name)
-        module.__package__ = PACKAGE
-        exec(compile(modeling_source(family, method), f"<{module_name}.py>", "exec"), module.__dict__)
-        sys.modules[name] = module
-    return getattr(sys.modules[name], family.class_name(method))
+@cache
+def family_class(family, method) -> type:
+    """The family's class for ``method`` (a ``methods.Method``): what its exported
+    ``modeling_<method>_<model_type>.py`` defines."""
+    import transformers
 
-
-def load(module: str) -> types.ModuleType:
-    """Import a published file (e.g. ``"modeling_cca"``) as users' transformers would."""
-    if PACKAGE not in sys.modules:
-        pkg = types.ModuleType(PACKAGE)
-        pkg.__path__ = [str(MODELING_DIR), str(KERNELS_DIR)]
-        sys.modules[PACKAGE] = pkg
-    return importlib.import_module(f"{PACKAGE}.{module}")
+    mixin = method.mixin()
+    # __module__: transformers reads the class's module file (sys.modules) for attention heuristics; the mixin's
+    # file is what the exported module imports, and like it defines no attention class of its own.
+    return type(family.class_name(method.name), (mixin, getattr(transformers, family.causal_lm)),
+                {"__module__": mixin.__module__, "__doc__": f"{family.causal_lm} with {method.title}."})

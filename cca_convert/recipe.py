@@ -6,6 +6,7 @@ dotted key, e.g. ``recipes/x.yaml:4: cca.group_size: must be >= 1 (got 0)``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model
 
+from . import methods
 from .errors import CCAError
 from .finetune.config import FinetuneSection
 from .schema import Section
@@ -28,43 +30,6 @@ except ImportError:  # a source checkout on PYTHONPATH, not installed
     RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-class CCASection(Section):
-    group_size: int = Field(16, ge=1, description="tokens pooled into one core token (g)")
-    local_window: int = Field(1024, ge=1, description="raw keys each query keeps (s)")
-    pooling: Literal["kv", "query"] = "kv"
-    rope_theta: float | None = Field(None, gt=0, description="override the base RoPE theta (long-context finetunes)")
-    max_position_embeddings: int | None = Field(None, ge=1, description="override the base context length")
-    attn_backend: Literal["auto", "triton", "reference", "full"] = "auto"
-
-
-class DCASection(Section):
-    """Dual Chunk Attention (DCA-SPEC.md): Qwen2.5-1M's ``dual_chunk_attention_config`` keys. Unset (null) values come
-    from the base's own ``dual_chunk_attention_config`` if it has one (used verbatim), else the ChunkLlama default
-    ``chunk_size = 3c/4``, ``local_size = c/8`` (``c`` = the base's trained context), temperature off."""
-
-    chunk_size: int | None = Field(None, ge=2, description="C: the largest RoPE position a query gets (not the chunk "
-                                                            "length, which is chunk_size - local_size)")
-    local_size: int | None = Field(None, ge=0, description="w: queries at in-chunk offset <= w see the previous "
-                                                            "chunk at exact distances")
-    original_max_position_embeddings: int | None = Field(
-        None, ge=1, description="c: the base's trained context (null: its max_position_embeddings); chunk_size <= c; "
-                                "also the length past which the temperature applies")
-    temperature: bool | None = Field(None, description="multiply logits by (0.1 ln(L/c) + 1)^2 past c (Qwen2.5-1M); "
-                                                       "null: as the base's dual_chunk_attention_config, else off")
-    max_position_embeddings: int | None = Field(
-        None, ge=1, description="the converted model's context (null: 8 x the trained context c)")
-    attn_backend: Literal["auto", "triton", "reference"] = "auto"
-
-    @field_validator("local_size")
-    @classmethod
-    def _local_below_chunk_length(cls, v, info: ValidationInfo):
-        chunk = info.data.get("chunk_size")
-        if v is not None and chunk is not None and v > (chunk - v) - 1:
-            raise ValueError(f"must be < the chunk length chunk_size - local_size = {chunk - v} (chunk_size={chunk}); "
-                             "larger values behave exactly like local_size = chunk length - 1")
-        return v
-
-
 class ExportSection(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
@@ -73,14 +38,9 @@ class ExportSection(Section):
     require_tokenizer: bool = Field(True, description="refuse a source without tokenizer files (the card loads one)")
 
 
-class Recipe(Section):
-    method: Literal["cca", "dca"] = Field("cca", description="cca: Core Context Aware attention (finetune to adapt); "
-                                                              "dca: Dual Chunk Attention (training-free)")
-    cca: CCASection = CCASection()
-    dca: DCASection = DCASection()
-    finetune: FinetuneSection = FinetuneSection()
-    export: ExportSection = ExportSection()
-    validate: ValidateSection = ValidateSection()
+class RecipeBase(Section):
+    """A recipe: ``method``, each known method's section (``methods.METHODS``), finetune, export, validate. The class
+    is built per set of known methods (``recipe_model``)."""
 
     _origins: dict = PrivateAttr(default_factory=dict)  # dotted key -> "file:line" or "--set k=v"
     _path: str = PrivateAttr("recipe")
@@ -100,6 +60,25 @@ class Recipe(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+@functools.cache
+def _model_for(names: tuple[str, ...]) -> type[RecipeBase]:
+    fields = {"method": (Literal[names], Field(methods.DEFAULT, description="; ".join(
+        f"{n}: {m.title}" + (" (training-free)" if m.training_free else " (finetune to adapt)")
+        for n, m in methods.METHODS.items())))}
+    fields.update({n: (m.section, m.section()) for n, m in methods.METHODS.items()})
+    fields.update(finetune=(FinetuneSection, FinetuneSection()), export=(ExportSection, ExportSection()),
+                  validate=(ValidateSection, ValidateSection()))
+    return create_model("Recipe", __base__=RecipeBase, **fields)
+
+
+def recipe_model() -> type[RecipeBase]:
+    """The recipe class of the methods known now (one section per method)."""
+    return _model_for(tuple(methods.METHODS))
+
+
+Recipe = recipe_model()  # the built-in methods' recipe (load_recipe asks recipe_model(): a registered method too)
 
 
 def _line_index(text: str) -> dict[tuple, int]:
@@ -173,8 +152,8 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
 
         if family not in FAMILIES:
             raise CCAError(f"no default recipe for model family {family!r}; pass --recipe FILE")
-        method = dict(parse_overrides(list(overrides))).get("method", "cca")
-        path = RECIPES_DIR / (FAMILIES[family].dca_recipe if method == "dca" else FAMILIES[family].recipe)
+        method = methods.get(dict(parse_overrides(list(overrides))).get("method", methods.DEFAULT))
+        path = RECIPES_DIR / method.default_recipe(FAMILIES[family])
     path = Path(path)
     if not path.is_file():
         raise CCAError(f"recipe file not found: {path}")
@@ -200,7 +179,8 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
         _set_dotted(data, key, value)
         set_keys[tuple(key.split("."))] = f"--set {key}={value}"
     try:
-        recipe = Recipe.model_validate(data)
+        model = recipe_model()
+        recipe = model.model_validate(data)
     except ValidationError as exc:
         lines = _line_index(text)
         err = exc.errors()[0]
@@ -209,14 +189,12 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
         where = set_keys.get(loc) or (f"{path}:{lines[loc]}" if loc in lines else str(path))
         msg = f"{where}: {dotted}: {_describe(err)}"
         if err["type"] == "extra_forbidden":
-            msg += f"; known keys here: {', '.join(_known_keys(Recipe, loc))}"
+            msg += f"; known keys here: {', '.join(_known_keys(model, loc))}"
         more = len(exc.errors()) - 1
         raise CCAError(msg + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
     lines = _line_index(text)
     recipe._path = str(path)
     recipe._origins = {loc: f"{path}:{line}" for loc, line in lines.items()}
     recipe._origins.update(set_keys)
-    if recipe.method == "dca" and recipe.finetune.enabled:
-        raise CCAError(f"{recipe.where('finetune', 'enabled')}: method dca is training-free (its Triton kernel has no "
-                       "backward): set finetune.enabled: false, or use method: cca to adapt a model with a finetune")
+    methods.get(recipe.method).check_recipe(recipe)
     return recipe, path

@@ -63,7 +63,7 @@ def tiny_base_model(family: str = "llama", seed: int = 0, **overrides):
 
 def tiny_tokenizer(vocab_size: int = 96):
     """A character-level tokenizer whose ids fit the tiny models' vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = list(" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'-\n")
@@ -82,21 +82,22 @@ def save_base(path: Path, family: str = "llama", **overrides) -> Path:
 
 
 def cca_config_from(base_config, **cca):
-    from cca_convert import published
+    """A config of the first releases' model_type "cca" class (``tests/legacy``: the frozen reference)."""
+    from tests.legacy import configuration_cca
 
     fields = {k: v for k, v in base_config.to_dict().items() if k not in ("model_type", "architectures")}
     for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
         fields.pop(key, None)
     if base_config.model_type == "qwen2":
         fields.update(attention_bias=True, attention_out_bias=False)
-    return published.load("configuration_cca").CCAConfig(**fields, base_model_type=base_config.model_type, **cca)
+    return configuration_cca.CCAConfig(**fields, base_model_type=base_config.model_type, **cca)
 
 
 def cca_model_from(base_model, **cca):
-    from cca_convert import published
+    from tests.legacy import modeling_cca
 
     config = cca_config_from(base_model.config, **cca)
-    model = published.load("modeling_cca").CCAForCausalLM(config).eval()
+    model = modeling_cca.CCAForCausalLM(config).eval()
     model.load_state_dict(base_model.state_dict(), strict=True)
     return model
 
@@ -106,14 +107,14 @@ def cca_hf_model_from(base_model, **cca):
     group_size / local_window / pooling / attn_backend."""
     import copy
 
-    from cca_convert import published
+    from cca_convert import methods, published
     from cca_convert.families import FAMILIES
 
     config = copy.deepcopy(base_model.config)
     for key, value in cca.items():
         setattr(config, f"cca_{key}", value)
     config._attn_implementation = "cca"
-    model = published.family_class(FAMILIES[config.model_type])(config).eval()
+    model = published.family_class(FAMILIES[config.model_type], methods.get("cca"))(config).eval()
     model.load_state_dict(base_model.state_dict(), strict=True)
     return model
 

@@ -10,10 +10,9 @@ import torch
 import transformers
 
 from cca_convert import published
-
-mc = published.load("modeling_cca")
-cc = published.load("configuration_cca")
-cache_mod = published.load("cache_cca")
+from cca_convert.modeling import cache_cca as cache_mod
+from tests.legacy import configuration_cca as cc
+from tests.legacy import modeling_cca as mc
 
 ATOL = 2e-4
 VOCAB = 101
@@ -214,7 +213,7 @@ def test_full_backend_keeps_dynamic_cache():
 
 def test_decode_torch_twin_matches_reference_one_query():
     """The decode function on a hand-built state equals the reference attention's last row."""
-    ref = published.load("cca_reference")
+    from cca_convert.kernels import cca_reference as ref
     torch.manual_seed(0)
     g, s, L, H, Hkv, d = 4, 7, 29, 6, 2, 8
     for pooling in ("kv", "query"):
@@ -272,8 +271,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     """
     import torch
     from cca_convert import published
-    cache_mod = published.load("cache_cca")
-    kern = published.load("cca_decode_triton")
+    from cca_convert.modeling import cache_cca as cache_mod
+    from cca_convert.kernels import cca_decode_triton as kern
     torch.manual_seed(0)
     for (B, H, Hkv, d, P, W, pooling) in [(2, 4, 2, 16, 37, 11, "kv"), (3, 6, 2, 16, 20, 9, "query"), (1, 2, 2, 32, 0, 5, "kv")]:
         C = Hkv if pooling == "kv" else H
@@ -336,7 +335,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     # The whole decode step (RoPE, ring writes, pooling kernel, attention kernel) inside a model,
     # with a left-padded row, against unpadded full forwards.
     import transformers
-    mc, cc = published.load("modeling_cca"), published.load("configuration_cca")
+    from tests.legacy import modeling_cca as mc
+    from tests.legacy import configuration_cca as cc
     cache_mod.CCALayerCache.force_triton = True
     for pooling, g, s, H, Hkv in [("kv", 2, 3, 4, 2), ("query", 3, 4, 4, 2)]:
         torch.manual_seed(0)
@@ -404,7 +404,7 @@ def test_decode_triton_kernel_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pooling", ["kv", "query"])
 def test_decode_triton_kernel_gpu_large(pooling):
-    kern = published.load("cca_decode_triton")
+    from cca_convert.kernels import cca_decode_triton as kern
     torch.manual_seed(0)
     B, H, Hkv, d, P, W = 4, 32, 8, 128, 8192, 1039
     C = Hkv if pooling == "kv" else H

@@ -11,11 +11,9 @@ import pytest
 import torch
 import transformers
 
-from cca_convert import published
 from cca_convert.families import FAMILIES as TABLE
+from cca_convert.modeling import cca_hf as hf
 from tests.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
-
-hf = published.load("cca_hf")
 
 
 def cca_class(base):
@@ -287,7 +285,7 @@ def test_chunks_on_the_kernels_pool_their_own_groups_straight_from_the_chunk_as_
     kernel starts each row at its next border."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    cache_mod = published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
     monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
     calls, pool = [], cache_mod.pool_forward
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from cca_convert import published
+from cca_convert import methods, published
 from cca_convert.cli import main
 from tests.factories import LLAMA3_ROPE, save_base
 
@@ -110,7 +110,7 @@ def test_exported_folder_loads_without_cca_convert_and_honours_overrides(base, r
     ids = torch.arange(60).remainder(96)[None]
 
     def in_process(**overrides):
-        model = published.family_class(FAMILIES["llama"]).from_pretrained(out, **overrides).eval()
+        model = published.family_class(FAMILIES["llama"], methods.get("cca")).from_pretrained(out, **overrides).eval()
         with torch.no_grad():
             return model(ids, use_cache=False).logits
 

@@ -163,8 +163,8 @@ def test_validate_reports_dca_against_plain_rope(tmp_path, capsys):
     gates = [g for g in report["gates"] if g["gate"] == "max_ppl_growth"]
     assert [g["length"] for g in gates] == [256] and gates[0]["passed"]
     ppl = report["results"]
-    assert ppl["base"]["perplexity"]["32"]["ppl"] == pytest.approx(ppl["cca"]["perplexity"]["32"]["ppl"], rel=1e-5)
-    assert ppl["base"]["perplexity"]["256"]["ppl"] != pytest.approx(ppl["cca"]["perplexity"]["256"]["ppl"], rel=1e-7)
+    assert ppl["base"]["perplexity"]["32"]["ppl"] == pytest.approx(ppl["dca"]["perplexity"]["32"]["ppl"], rel=1e-5)
+    assert ppl["base"]["perplexity"]["256"]["ppl"] != pytest.approx(ppl["dca"]["perplexity"]["256"]["ppl"], rel=1e-7)
     assert "| context | base ppl | DCA ppl | DCA / base |" in (out / "validation" / "report.md").read_text()
     # and `cca-convert validate` re-runs it on the exported folder (base = the same weights with plain RoPE)
     assert main(["validate", str(out), "--output", str(tmp_path / "again"), "--set", "validate.context_lengths=[32,256]",

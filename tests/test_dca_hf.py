@@ -10,11 +10,10 @@ import pytest
 import torch
 import transformers
 
-from cca_convert import published
 from cca_convert.families import FAMILIES
+from cca_convert.modeling import dca_hf as hf
 from tests.factories import TINY, tiny_base_model
 
-hf = published.load("dca_hf")
 CHUNK, LOCAL = 24, 8  # s = 16: chunk boundaries at 16, 32, 48 ...
 
 
@@ -170,7 +169,7 @@ def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch)
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
-    shim = published.load("dca_hf")
+    from cca_convert.modeling import dca_hf as shim
     monkeypatch.setattr(shim, "KERNEL_ON_CPU", True)
     calls = {"attention": 0, "keys": 0}
 

@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-from cca_convert import published
-
-dca = published.load("dca_reference")
+from cca_convert.kernels import dca_reference as dca
 
 
 def inv_freq(head_dim, rotary_dim=None, theta=10000.0):

@@ -12,15 +12,8 @@ from tests.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
-
-def _load(name):
-    from cca_convert import published
-
-    return published.load(name)
-
-
-ref = _load("dca_reference")
-tri = _load("dca_triton")
+from cca_convert.kernels import dca_reference as ref
+from cca_convert.kernels import dca_triton as tri
 
 
 def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None,

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cca_convert import published
+from cca_convert.modeling import cache_cca, decode_graph
 from tests.factories import cca_hf_model_from, tiny_base_model
 
 
@@ -48,7 +48,7 @@ def test_fused_twins_fall_back_to_the_stock_code_and_put_everything_back(monkeyp
     redone eagerly (same output), turns every twin off, and leaving ``active()`` restores the stock code."""
     import sys
 
-    decode_graph = published.load("decode_graph")
+    from cca_convert.modeling import decode_graph
     model = _model(torch.float32, device="cpu")
     family = sys.modules[type(model.model.layers[0].self_attn).__module__]
     stock_rope, own = family.apply_rotary_pos_emb, object()
@@ -91,7 +91,7 @@ def test_skinny_linears_give_the_stock_numbers_and_put_everything_back(family, m
     of a forward of at most 16 rows are the stock model's; more rows keep cuBLAS; the output embedding (lm_head) is one
     more product; leaving ``active()`` restores the stock calls and drops what the q/k/v call kept. Qwen2 has q/k/v biases, Gemma 3 a tanh-GELU MLP, Phi-3 fused
     projections (nothing to replace: its layers stay stock)."""
-    decode_graph = published.load("decode_graph")
+    from cca_convert.modeling import decode_graph
     monkeypatch.setattr(decode_graph, "_compiled", lambda fn: fn)  # the twins: the stock functions (no compiler)
     launches = []
     for name in ("skinny_linear", "skinny_gated"):
@@ -128,7 +128,7 @@ def test_prenorm_layers_add_their_residuals_in_other_launches(family, monkeypatc
     fused: the first into the post-attention norm's compiled kernel, the second into the down projection's product.
     The logits are the stock model's. Other layer code (Gemma 3's four norms, Phi-3's) and a hooked layer stay stock;
     leaving ``active()`` restores every layer."""
-    decode_graph = published.load("decode_graph")
+    from cca_convert.modeling import decode_graph
     monkeypatch.setattr(decode_graph, "_compiled", lambda fn: fn)  # the twins: the stock functions (no compiler)
     residuals, sums = [], []
     kernel, add_then_norm = decode_graph.skinny_linear, decode_graph._add_then_norm
@@ -168,7 +168,7 @@ def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_l
     """Real Inductor twins on a CPU: Qwen3's RMSNorm forward sees three shapes per batch size (hidden, q-norm, k-norm),
     12 over four batch sizes, past Dynamo's default recompile limit (8), which would turn the twins off; they give
     the stock code's numbers, and another model reuses them."""
-    decode_graph = published.load("decode_graph")
+    from cca_convert.modeling import decode_graph
     model = _model(torch.bfloat16, family="qwen3", device="cpu")
     fused = decode_graph.FusedModules(model)
     for bsz in range(1, 5):
@@ -195,7 +195,7 @@ def test_fused_twins_compile_once_per_function_and_shape_past_dynamo_recompile_l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
-    monkeypatch.setattr(published.load("cache_cca"), "GRAPH_RESERVE", 24)  # re-capture every few groups
+    monkeypatch.setattr(cache_cca, "GRAPH_RESERVE", 24)  # re-capture every few groups
     model = _model(dtype, pooling)
     x, mask = _prompt(3, 37, pads=(0, 5, 11))
     eager, _ = _generate(model, False, x, mask, max_new_tokens=90)
@@ -222,7 +222,8 @@ def test_gpu_graph_decode_equals_eager(dtype, pooling, monkeypatch):
 def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
     """Under ``FusedModules.active()`` (a step being captured) the family's RoPE of the step's q/k is skipped and the
     decode kernel rotates them: the same logits and cache as the stock step, which rotates in transformers."""
-    decode_graph, cache_mod = published.load("decode_graph"), published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
+    from cca_convert.modeling import decode_graph
     monkeypatch.setattr(cache_mod.CCALayerCache, "force_triton", True)
     calls = []
     kernel = cache_mod.cca_decode_append_triton
@@ -277,7 +278,7 @@ def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
 def test_gpu_kernel_rope_rounds_as_the_familys_eager_rope(family, dtype=torch.bfloat16):
     """``rotated="eager"`` (a captured step's deferred RoPE) writes bit for bit what the kernel writes when handed
     transformers' rotated q/k in 16-bit (Triton's interpreter does not round to 16-bit as the GPU does: GPU only)."""
-    kern = published.load("cca_decode_triton")
+    from cca_convert.kernels import cca_decode_triton as kern
     model = _model(torch.float32, family=family, device="cpu")
     family = sys.modules[type(model.model.layers[0].self_attn).__module__]
     torch.manual_seed(0)
@@ -303,7 +304,7 @@ def test_gpu_kernel_rope_rounds_as_the_familys_eager_rope(family, dtype=torch.bf
 def test_state_version_names_the_state_tensors():
     """A captured step is valid while ``state_version`` is unchanged: assigning any state tensor (or announcing a
     crop) changes it, in-place writes and counters do not, and a step replays only within the reserved core."""
-    cache_mod = published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
     model = _model(torch.float32, device="cpu")
     x = torch.randint(3, 96, (2, 11))
     cache = model(x, use_cache=True).past_key_values
@@ -396,7 +397,7 @@ def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
     from transformers.generation import utils as generation
 
     checks, replays = [], []
-    deferred_call, graphs = generation.DeferredStopCheck.__call__, published.load("decode_graph").DecodeGraphs
+    deferred_call, graphs = generation.DeferredStopCheck.__call__, decode_graph.DecodeGraphs
     replay = graphs.replay
     monkeypatch.setattr(generation.DeferredStopCheck, "__call__",
                         lambda self, *a: checks.append(1) or deferred_call(self, *a))
@@ -436,7 +437,7 @@ def test_gpu_a_failed_capture_is_retried_before_decoding_turns_eager():
     """A capture that fails (here: an event queried while it runs, which invalidates it) runs its step eagerly and
     is tried again at the next step; only CAPTURE_ATTEMPTS failures with one cache turn the model's graph decoding
     off, and a host sync (data-dependent routing) at once. The tokens are those of eager decoding every time."""
-    decode_graph = published.load("decode_graph")
+    from cca_convert.modeling import decode_graph
     model = _model(torch.float32)
     x, mask = _prompt(2, 19, pads=(0, 3))
     eager, _ = _generate(model, False, x, mask, max_new_tokens=16)

@@ -6,11 +6,10 @@ tile and group boundaries, pad columns inside a pass, rows at different position
 import pytest
 import torch
 
-from cca_convert import published
 from tests.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("the decode kernels")
-kern = published.load("cca_decode_triton")
+from cca_convert.kernels import cca_decode_triton as kern
 
 
 def _state(B, H, Hkv, d, g, s, slack, positions, pooling, dtype, seed):
@@ -82,7 +81,7 @@ def _check_attention(case, with_pads, dtype):
                                                  num_splits=splits, block_n=block, group_size=g, local_window=s)
         assert torch.equal(passed[:, i], alone), (i, (passed[:, i] - alone).abs().max().item())
     # and the last token agrees with the twin (ring indexed by position mod W; the kernel sees the last s + g - 1)
-    cache_mod = published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
     t = pos + before[:, -1]
     n_core = torch.div(t + 1 - s, g, rounding_mode="floor").clamp_min(0)
     lo = torch.maximum(t - (s + g - 1) + 1, n_core * g)

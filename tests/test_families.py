@@ -68,8 +68,9 @@ def test_family_converts_and_keeps_the_base_model(tmp_path, case):
     base, out = _convert(tmp_path, case)
     config = json.loads((out / "config.json").read_text())
     family = FAMILIES[config["model_type"]]
-    assert config["auto_map"] == {"AutoModelForCausalLM": f"{family.module}.{family.cca_class}"}
-    assert (out / f"{family.module}.py").is_file() and not (out / "modeling_cca.py").exists()
+    module, cls = family.module_name("cca"), family.class_name("cca")
+    assert config["auto_map"] == {"AutoModelForCausalLM": f"{module}.{cls}"}
+    assert (out / f"{module}.py").is_file() and not (out / "modeling_cca.py").exists()
 
     stock, x = _stock(base), _ids()
     if case == "mistral-swa":  # CCA replaces the window (48 > L = 40: the stock model sees all keys here too)
@@ -150,11 +151,11 @@ def test_models_from_two_copies_of_the_code_share_a_process(tmp_path):
     """Every exported repo ships its own copy of cca_hf.py and each import re-registers "cca" in transformers'
     one registry. A model must still run its own copy: here the in-process (cca_convert) model decodes after a
     repo's copy was loaded last, and both equal their no-cache loops."""
-    from cca_convert import published
+    from cca_convert import methods, published
 
     _, out = _convert(tmp_path, "qwen3")
     remote = _load(out)  # transformers_modules' copy registers "cca" last
-    local = published.family_class(FAMILIES["qwen3"]).from_pretrained(out).eval()
+    local = published.family_class(FAMILIES["qwen3"], methods.get("cca")).from_pretrained(out).eval()
     assert type(remote).__module__ != type(local).__module__
     seq = _ids(bsz=1, length=30, seed=3)
     for model in (local, remote):  # logits, not tokens: a tiny model's argmax can hide a wrong decode

@@ -15,15 +15,8 @@ from tests.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
-
-def _load(name):
-    from cca_convert import published
-
-    return published.load(name)
-
-
-ref = _load("cca_reference")
-tri = _load("cca_triton")
+from cca_convert.kernels import cca_reference as ref
+from cca_convert.kernels import cca_triton as tri
 
 
 def rope_tables(L, d, batch=None, device=DEVICE):
@@ -129,7 +122,7 @@ def test_small_configs(B, H, Hkv, L, d, g, s, pooling, use_tma):
     check(B, H, Hkv, L, d, g, s, pooling, torch.float32, seed=L + g, use_tma=use_tma)
 
 
-pool = _load("cca_pool_triton")
+from cca_convert.kernels import cca_pool_triton as pool
 
 
 @pytest.mark.parametrize("pooling", POOLING)

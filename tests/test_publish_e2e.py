@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from cca_convert.cli import main
-from cca_convert.validate.runner import load_cca_model
+from cca_convert.validate_command import load_converted_model
 from tests.factories import save_base
 from tests.hub_server import FAKE_TOKEN, hub_server  # noqa: F401 (fixture)
 from tests.test_validate import char_tokenizer, sample_text
@@ -79,7 +79,7 @@ def test_convert_push_and_load_from_hub(tmp_path, hub_server, capsys, monkeypatc
                           cwd=tmp_path / "empty", HF_MODULES_CACHE=str(tmp_path / "modules"))  # empty module cache
     assert any((tmp_path / "modules").rglob("modeling_cca_llama.py"))  # the code came from the Hub repo
     with torch.no_grad():
-        expected = load_cca_model(out, "cpu")(PROBE, use_cache=False).logits
+        expected = load_converted_model(out, "cpu")(PROBE, use_cache=False).logits
     torch.testing.assert_close(torch.load(logits), expected, rtol=0, atol=1e-5)
 
     # `cca-convert validate REPO`: the report goes to --output, the Hub cache is left alone

@@ -12,9 +12,9 @@ INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
 
 def _skinny():
-    from cca_convert import published
+    from cca_convert.kernels import skinny_triton
 
-    return published.load("skinny_triton")
+    return skinny_triton
 
 
 def _rand(*shape, seed, dtype=torch.float32, device=DEVICE, scale=1.0):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cca_convert import published
+from cca_convert.modeling import cache_cca
 from tests.factories import cca_hf_model_from, tiny_base_model
 
 G, S = 4, 8
@@ -32,7 +32,7 @@ def _on_kernels(kernels, monkeypatch):
     if kernels:
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the decode kernels on CPU need TRITON_INTERPRET=1")
-        monkeypatch.setattr(published.load("cache_cca").CCALayerCache, "force_triton", True)
+        monkeypatch.setattr(cache_cca.CCALayerCache, "force_triton", True)
 
 
 def _padded(seed, units):
@@ -62,7 +62,7 @@ def test_prompt_lookup_equals_greedy(kernels, monkeypatch):
     prompt = _prompt()
     kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
     greedy = model.generate(prompt, **kw)
-    cache_mod = published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
     monkeypatch.setattr(cache_mod.CCALayerCache, "_state", _no_copies)
     lookup = model.generate(prompt, prompt_lookup_num_tokens=5, return_dict_in_generate=True, **kw)
     assert torch.equal(lookup.sequences, greedy)
@@ -92,7 +92,7 @@ def test_the_first_pass_prefills_the_prompt_as_greedy_does(monkeypatch):
     monkeypatch.undo()
     assert torch.equal(lookup, model.generate(prompt, **kw))
 
-    cca_hf = published.load("cca_hf")
+    from cca_convert.modeling import cca_hf
     ids = torch.cat([prompt, prompt[:, :4]], 1)
     one = cca_hf.HFCCACache(model.config)
     one.activate_past_recording()
@@ -123,7 +123,8 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
     tensor replaced: captured steps stay valid), pads among them included; the next steps then give what a run that
     never saw them gives. Beyond the slack the last pass is undone as without it."""
     _on_kernels(kernels, monkeypatch)
-    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
+    from cca_convert.modeling import cca_hf
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
     ids, mask = _padded(seed=3, units=2)  # (2, 60)
@@ -170,7 +171,8 @@ def test_the_slack_changes_no_rounding(kernels, monkeypatch):
     logits of one that does not, bit for bit: a chunked prefill (chunks past the slack attend over the ring's
     visible positions in position order) and decode steps, on the PyTorch path and on the decode kernels."""
     _on_kernels(kernels, monkeypatch)
-    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
+    from cca_convert.modeling import cca_hf
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
     ids, mask = _padded(seed=6, units=4)  # (2, 120)
@@ -197,7 +199,8 @@ def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeyp
     never did (bit for bit on the decode kernels), with pads and the group middles the old rings held. Crops of the
     later steps are done in place, after which the steps give what a run that never saw the dropped columns gives."""
     _on_kernels(kernels, monkeypatch)
-    cca_hf, cache_mod = published.load("cca_hf"), published.load("cache_cca")
+    from cca_convert.modeling import cache_cca as cache_mod
+    from cca_convert.modeling import cca_hf
     _, model = _models(backend="auto" if kernels else "reference")
     slack = cache_mod.SPECULATIVE_SLACK
     ids, mask = _padded(seed=5, units=2)  # (2, 60)
@@ -307,7 +310,7 @@ def test_gpu_verification_passes_give_the_one_token_steps_logits_bit_for_bit():
     logits of the n captured one-token steps it stands for, from the same cache state: every product of the step
     (Triton few-row products, lm_head included) rounds each row alike whatever the rows, so speculative decoding picks
     the greedy tokens even at near ties. A 300-token prompt: the prefill's kept tail is offset in the rings."""
-    cca_hf = published.load("cca_hf")
+    from cca_convert.modeling import cca_hf
     base = tiny_base_model("llama", max_position_embeddings=512, pad_token_id=0, eos_token_id=2)
     model = cca_hf_model_from(base, group_size=G, local_window=S, attn_backend="triton").to("cuda", torch.bfloat16)
     ids = torch.randint(3, 96, (1, 311), generator=torch.Generator().manual_seed(0)).cuda()

@@ -135,7 +135,10 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 
 def _fingerprint(job) -> dict:
-    return {"finetune": job.recipe.finetune.trajectory_dict(), "cca": job.recipe.cca.model_dump(mode="json")}
+    """What a resumed run must share with the checkpoint: the finetune's trajectory and the method's settings."""
+    method = job.recipe.method
+    return {"finetune": job.recipe.finetune.trajectory_dict(),
+            method: getattr(job.recipe, method).model_dump(mode="json")}
 
 
 def _rng_state() -> dict:
@@ -502,9 +505,8 @@ def _steps(run: Run, on_step, bar, metrics, batches):
 
 
 def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoints) -> CCAError:
-    from ..families import cca_settings
-
-    backend = cca_settings(job.config)["attn_backend"]
+    method = job.method
+    backend = method.backend(job.config)
     if backend == "auto":
         backend = "auto (triton)" if str(job.device).startswith("cuda") else "auto (reference)"
     last = ckpts.latest()
@@ -512,7 +514,7 @@ def _non_finite(job, step: int, loss: float, grad_norm: float, ckpts: Checkpoint
             else "no checkpoint had been written yet")
     return CCAError(f"finetune stopped at step {step}: loss {loss} / gradient norm {grad_norm} is not finite "
                     f"(attn_backend {backend}); {kept} and nothing was exported. Try a lower finetune.learning_rate, "
-                    "or --set cca.attn_backend=reference to rule out a kernel fault")
+                    f"or --set {method.name}.attn_backend=reference to rule out a kernel fault")
 
 
 def _agree(acc, flag: bool) -> bool:
@@ -530,7 +532,7 @@ def _check_resumable(saved: dict, job, world: int) -> None:
     old, new = saved.get("fingerprint", {}), _fingerprint(job)
     if old != new:
         diffs = []
-        for section in ("finetune", "cca"):
+        for section in new:
             a, b = old.get(section, {}), new[section]
             diffs += [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         raise CCAError(f"--resume: the recipe changed since the checkpoint ({'; '.join(diffs[:3])}); "
@@ -551,12 +553,9 @@ def finish(run: Run) -> None:
         return
     if fsdp:  # rebuild an unsharded copy on rank 0 from the base weights and the gathered state
         from .. import published
-
         from ..families import FAMILIES
 
-        model_type = job.config.model_type  # "cca": the first releases' model (the 8B benchmark builds one)
-        cls = (published.family_class(FAMILIES[model_type]) if model_type in FAMILIES
-               else published.load("modeling_cca").CCAForCausalLM)
+        cls = published.family_class(FAMILIES[job.config.model_type], job.method)
         if (Path(job.base_dir) / "config.json").is_file():
             fresh = cls.from_pretrained(job.base_dir, config=job.config, dtype=torch.float32)
         else:  # no base files (benchmarks): every weight comes from the gathered state anyway
@@ -615,7 +614,7 @@ model = PeftModel.from_pretrained(model, repo, subfolder="adapter")  # base + de
 def describe_adapter(folder: Path, job, ft: FinetuneSection) -> None:
     """Replace peft's blank card with what the adapter is and how to load it, and point ``base_model_name_or_path``
     at the source's Hub id (a local source's path means nothing once the repo is pushed: it is left out)."""
-    from ..model_card import is_hub_id
+    from ..hub import is_hub_id
 
     source = getattr(job, "source", None)
     path = folder / "adapter_config.json"

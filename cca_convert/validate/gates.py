@@ -1,4 +1,4 @@
-"""Gates: recipe thresholds the final CCA model must meet at every context length before export/upload."""
+"""Gates: recipe thresholds the final converted model must meet at every context length before export/upload."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def _gate(name, length, value, threshold, passed, margin, detail):
             "margin": margin, "detail": detail}
 
 
-def evaluate(section: ValidateSection, results: dict, final: str, method: str = "CCA",
+def evaluate(section: ValidateSection, results: dict, final: str, method: str,
              trained_context: int | None = None) -> list[dict]:
     """One entry per gate and length: ``passed`` True/False (None: not measured at that length, e.g. a
     passkey prompt that does not fit), ``margin`` >= 0 when passed, < 0 = by how much it failed.
@@ -28,7 +28,7 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str = 
                 ok = ratio <= section.max_ppl_ratio
                 out.append(_gate("max_ppl_ratio", length, ratio, section.max_ppl_ratio, ok,
                                  section.max_ppl_ratio - ratio,
-                                 f"CCA ppl {c_ppl['ppl']:.3f} / base ppl {b_ppl['ppl']:.3f} = {ratio:.3f} "
+                                 f"{method} ppl {c_ppl['ppl']:.3f} / base ppl {b_ppl['ppl']:.3f} = {ratio:.3f} "
                                  f"{'<=' if ok else '>'} {section.max_ppl_ratio:g}"
                                  + ("" if ok else f" (over by {ratio - section.max_ppl_ratio:.3f})")))
             else:
@@ -44,7 +44,7 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str = 
                 growth = c_ppl["ppl"] / ref_ppl["ppl"]
                 ok = growth <= t
                 out.append(_gate("max_ppl_growth", length, growth, t, ok, t - growth,
-                                 f"CCA ppl {c_ppl['ppl']:.3f} @ {length} / {ref_ppl['ppl']:.3f} @ {ref_len} = "
+                                 f"{method} ppl {c_ppl['ppl']:.3f} @ {length} / {ref_ppl['ppl']:.3f} @ {ref_len} = "
                                  f"{growth:.3f} {'<=' if ok else '>'} {t:g}"
                                  + ("" if ok else f" (over by {growth - t:.3f})")))
         b_pk = (base.get("passkey", {}).get(key) or {}).get("accuracy")
@@ -56,7 +56,7 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str = 
             else:
                 ok = c_pk >= t
                 out.append(_gate("min_passkey_accuracy", length, c_pk, t, ok, c_pk - t,
-                                 f"CCA passkey accuracy {c_pk:.2f} {'>=' if ok else '<'} {t:g}"
+                                 f"{method} passkey accuracy {c_pk:.2f} {'>=' if ok else '<'} {t:g}"
                                  + ("" if ok else f" (short by {t - c_pk:.2f})")))
         if section.max_passkey_drop is not None:
             t = section.max_passkey_drop
@@ -66,11 +66,8 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str = 
                 drop = b_pk - c_pk
                 ok = drop <= t + 1e-9
                 out.append(_gate("max_passkey_drop", length, drop, t, ok, t - drop,
-                                 f"passkey accuracy base {b_pk:.2f} - CCA {c_pk:.2f} = {drop:.2f} "
+                                 f"passkey accuracy base {b_pk:.2f} - {method} {c_pk:.2f} = {drop:.2f} "
                                  f"{'<=' if ok else '>'} {t:g}" + ("" if ok else f" (over by {drop - t:.2f})")))
-    if method != "CCA":
-        for g in out:
-            g["detail"] = g["detail"].replace("CCA", method)
     return out
 
 

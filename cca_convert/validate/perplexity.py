@@ -16,37 +16,28 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .. import methods
 from ..errors import CCAError
 
 LOGIT_BYTES = 2**28  # fp32 logits materialized at once: positions per chunk = LOGIT_BYTES / (4 * vocab)
 
 
-def _backend_field(config) -> str | None:
-    if getattr(config, "model_type", None) == "cca":  # the first releases' configs
-        return "attn_backend"
-    if hasattr(config, "cca_attn_backend") or getattr(config, "_attn_implementation", None) == "cca":
-        return "cca_attn_backend"  # a converted stock config
-    if getattr(config, "dual_chunk_attention_config", None) and getattr(config, "_attn_implementation", None) in (
-            "dca", "sdpa"):
-        return "dca_attn_backend"
-    return None
-
-
 @contextmanager
 def attention_backend(model, backend: str | None):
-    """Temporarily run a CCA model with its attention backend set to ``backend`` ("full": the base model's causal
-    attention with the same weights). ``None`` leaves the model as it is."""
-    configs = {}
+    """Temporarily run a converted model with its method's attention backend set to ``backend`` ("full": the base
+    model's attention with the same weights, as the method says how). ``None`` leaves the model as it is."""
+    swap = {}
     if backend is not None:
         for module in model.modules():
             config = getattr(module, "config", None)
-            if config is not None and _backend_field(config):
-                configs[id(config)] = (config, _backend_field(config))
-        if not configs:
-            raise ValueError(f"{type(model).__name__} has no CCA attention backend to set to {backend!r}")
-    # DCA's "full" is the base's own attention: plain RoPE positions through transformers' SDPA
-    swap = {key: (config, "_attn_implementation", "sdpa") if field == "dca_attn_backend" and backend == "full"
-            else (config, field, backend) for key, (config, field) in configs.items()}
+            method = methods.of_config(config) if config is not None else None
+            if method is not None and id(config) not in swap:
+                field, value = method.run_as_base(config) if backend == "full" else (f"{method.name}_attn_backend",
+                                                                                     backend)
+                swap[id(config)] = (config, field, value)
+        if not swap:
+            raise ValueError(f"{type(model).__name__} is not a converted model: no attention backend to set to "
+                             f"{backend!r}")
     old = {key: getattr(config, field, None) for key, (config, field, _) in swap.items()}
     try:
         for config, field, value in swap.values():

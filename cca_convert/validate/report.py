@@ -11,20 +11,34 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from .. import methods
 from . import gates as gates_mod
 from .perplexity import __doc__ as PPL_DOC
 
 SCHEMA = 1
-LABELS = {"base": "base", "cca": "CCA", "cca_before": "CCA before finetune", "cca_after": "CCA after finetune"}
-# The result keys name the converted model whatever its method ("cca" holds a DCA model's numbers too); the labels
-# printed say which method it is.
+# Result keys: "base", then the converted model's as its method names it: "<method>_before" (before the finetune),
+# "<method>" (as converted, no finetune) and "<method>_after" (after it).
+STAGES = (("_before", " before finetune"), ("", ""), ("_after", " after finetune"))
+
+
+def method_of(report: dict) -> str:
+    return report["model"].get("method", methods.DEFAULT)
 
 
 def label(report: dict, key: str) -> str:
-    return LABELS[key].replace("CCA", report["model"].get("method", "cca").upper())
+    if key == "base":
+        return "base"
+    name = method_of(report)
+    known = methods.METHODS.get(name)
+    return next((known.label if known else name.upper()) + words for suffix, words in STAGES
+                if key == name + suffix)
 
 
-ORDER = ["base", "cca_before", "cca", "cca_after"]
+def result_keys(method: str) -> list[str]:
+    """The result keys of a report on a ``method`` model, in table order."""
+    return ["base"] + [method + suffix for suffix, _ in STAGES]
+
+
 PACKAGES = ["cca-convert", "torch", "transformers", "huggingface_hub", "datasets", "tokenizers", "safetensors",
             "triton", "peft", "accelerate"]
 
@@ -67,7 +81,7 @@ def build(section, results: dict, speed: dict, gates: list[dict], *, final: str,
         "forced": bool(forced and bad),
         "failed_gates": gates_mod.summary(gates) or None,
         "final_model": final,
-        "models": [k for k in ORDER if k in results],
+        "models": [k for k in result_keys(model["method"]) if k in results],
         "model": model,
         "base_note": base_note,
         "data": data,
@@ -140,32 +154,27 @@ def passkey_table(report: dict) -> str | None:
 def speed_table(report: dict) -> str | None:
     if not report["speed"]:
         return None
-    name = label(report, "cca")
+    name = label(report, method_of(report))
     lines = [f"| context | base prefill | {name} prefill | speed-up | base peak memory | {name} peak memory |",
              "| --- | --- | --- | --- | --- | --- |"]
     for length in report["context_lengths"]:
         s = report["speed"].get(str(length))
         if not s:
             continue
-        b, c = s["base"], s["cca"]
+        b, c = s["base"], s[method_of(report)]
         lines.append(f"| {length} | {b['latency_s'] * 1e3:,.1f} ms | {c['latency_s'] * 1e3:,.1f} ms | "
                      f"{b['latency_s'] / c['latency_s']:.2f}x | {_mib(b['peak_mem_bytes'])} | "
                      f"{_mib(c['peak_mem_bytes'])} |")
     return "\n".join(lines)
 
 
-# The GPU figure quoted under CPU speed rows: cca-convert's whole-model prefill benchmark (benchmarks/prefill.py).
-GPU_PREFILL = ("on one H100 the Triton kernels make a Llama-3.1-8B-shaped model's whole prefill 1.40x faster than "
-               "full attention at 32K tokens and 2.72x at 128K (cca-convert's `benchmarks/prefill.py`, "
-               "`benchmarks/results/prefill-h100-bffba6f.json`)")
-
-
 def _cpu_note(report: dict) -> str:
-    name = label(report, "cca")
+    name = label(report, method_of(report))
     note = (f"Measured on the CPU, where {name} runs its PyTorch reference implementation (written for checking, "
             "not speed: it forms the full score matrix), while the base runs PyTorch's fused attention: these rows "
             f"do not show {name}'s cost")
-    return note + ("; " + GPU_PREFILL + "." if name == "CCA" else ".")
+    known = methods.METHODS.get(method_of(report))
+    return note + ("; " + known.gpu_speed_note + "." if known and known.gpu_speed_note else ".")
 
 
 def gates_table(report: dict) -> str:
@@ -199,10 +208,8 @@ def _sections(report: dict, plot: str) -> list[str]:
 
 
 def _settings(m: dict) -> str:
-    if m.get("method") == "dca":
-        return (f"DCA chunk_size={m.get('chunk_size')}, local_size={m.get('local_size')}, trained context "
-                f"{m.get('trained_context')}, temperature {'past ' + str(m['c_orig']) if m.get('c_orig') else 'off'}")
-    return f"CCA g={m.get('group_size')}, s={m.get('local_window')}, pooling {m.get('pooling')}"
+    known = methods.METHODS.get(m.get("method", methods.DEFAULT))
+    return known.settings_text(m) if known else str(m.get("method"))
 
 
 def markdown(report: dict) -> str:
@@ -269,8 +276,8 @@ def plot(report: dict, path: Path) -> None:
     lengths = report["context_lengths"]
     has_pk = passkey_table(report) is not None
     fig, axes = plt.subplots(1, 2 if has_pk else 1, figsize=(10 if has_pk else 5.5, 3.8), squeeze=False)
-    styles = {"base": ("k", "o", "-"), "cca_before": ("tab:orange", "s", "--"), "cca": ("tab:blue", "s", "-"),
-              "cca_after": ("tab:blue", "D", "-")}
+    styles = dict(zip(result_keys(method_of(report)), [("k", "o", "-"), ("tab:orange", "s", "--"),
+                                                        ("tab:blue", "s", "-"), ("tab:blue", "D", "-")]))
     ax = axes[0, 0]
     for m in report["models"]:
         xs = [n for n in lengths if str(n) in report["results"][m]["perplexity"]]

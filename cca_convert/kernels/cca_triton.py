@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .cca_pool_triton import pool_backward, pool_forward, table_strides
-from .cca_reference import check_args, check_chunk_args, check_given
+from .cca_params import check_args
+from .cca_reference import check_chunk_args, check_given
 from .tma import descriptors, use_tma as _use_tma
 
 try:  # the Hopper kernels (Gluon: triton >= 3.6); without them the Triton kernels serve every GPU. The first line's

@@ -16,6 +16,8 @@ RoPE here is the NeoX/Llama layout over the first ``rotary_dim`` channels with t
 
 import torch
 
+from .dca_params import check_params, default_sizes
+
 QWEN_SPARSE_KEYS = ("sparse_attention_config", "sparse_attention_enabled", "sparse_attention_threshold",
                     "sparse_attention_last_q")  # vLLM's optional MInference prefill: out of scope, ignored
 
@@ -27,27 +29,9 @@ def resolve_params(dca_config: dict | None, trained_context: int) -> tuple[int, 
         chunk, local = dca_config.get("chunk_size"), dca_config.get("local_size")
         c_orig = dca_config.get("original_max_position_embeddings") or 0
     else:
-        chunk, local, c_orig = 3 * trained_context // 4, trained_context // 8, 0
+        (chunk, local), c_orig = default_sizes(trained_context), 0
     check_params(chunk, local, trained_context)
     return chunk, local, c_orig
-
-
-def check_params(chunk_size, local_size, trained_context: int | None = None) -> None:
-    for name, value in (("chunk_size", chunk_size), ("local_size", local_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"dca {name} must be an integer, got {value!r}")
-    s = chunk_size - local_size
-    if local_size < 0:
-        raise ValueError(f"dca local_size must be >= 0, got {local_size}")
-    if s < 1:
-        raise ValueError(f"dca chunk_size={chunk_size} must exceed local_size={local_size} (the chunk length is "
-                         f"chunk_size - local_size = {s})")
-    if local_size > s - 1:
-        raise ValueError(f"dca local_size={local_size} must be < the chunk length chunk_size - local_size = {s} "
-                         "(larger values behave exactly like local_size = chunk length - 1)")
-    if trained_context is not None and chunk_size > trained_context:
-        raise ValueError(f"dca chunk_size={chunk_size} exceeds the base model's trained context {trained_context}: "
-                         "RoPE would see distances it was never trained on")
 
 
 def positions(i: torch.Tensor, j: torch.Tensor, chunk_size: int, local_size: int):

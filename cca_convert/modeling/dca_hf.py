@@ -18,10 +18,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
-from .dca_reference import check_params, dca_attention_blocked, rotate_keys, temperature_per_sequence
+from ..kernels.dca_params import check_params
+from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature_per_sequence
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
-    from .dca_triton import dca_attention_triton, rope_table, rotate_keys_triton
+    from ..kernels.dca_triton import dca_attention_triton, rope_table, rotate_keys_triton
 except ImportError:  # pragma: no cover
     dca_attention_triton = rope_table = rotate_keys_triton = None
 

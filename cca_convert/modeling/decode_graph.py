@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from .cca_decode_triton import EAGER_ROPE_DTYPES
-    from .skinny_triton import skinny_gated, skinny_linear, usable as skinny_usable
+    from ..kernels.cca_decode_triton import EAGER_ROPE_DTYPES
+    from ..kernels.skinny_triton import skinny_gated, skinny_linear, usable as skinny_usable
 except ImportError:  # triton is optional (without it no step is captured)
     skinny_gated = skinny_linear = skinny_usable = None
     EAGER_ROPE_DTYPES = ()

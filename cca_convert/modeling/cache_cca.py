@@ -49,12 +49,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .attention_cca import cca_attention, left_padding, shift_rows
 from .attention_hooks import BatchOpsMixin, crop_length
-from .cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_tokens, unapply_rope
+from ..kernels.cca_reference import apply_rope, cca_chunk_attention_reference, pool_core_tokens, unapply_rope
 
 try:
-    from .cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
-    from .cca_pool_triton import pool_forward
-    from .cca_triton import cca_chunk_attention_triton
+    from ..kernels.cca_decode_triton import cca_decode_append_triton, cca_decode_attention_triton
+    from ..kernels.cca_pool_triton import pool_forward
+    from ..kernels.cca_triton import cca_chunk_attention_triton
 except ImportError:  # triton is optional
     cca_decode_append_triton = cca_decode_attention_triton = cca_chunk_attention_triton = pool_forward = None
 

@@ -1,5 +1,5 @@
 """CCA attention over whole sequences (no cache): the backend choice, padding handling and the plain causal
-attention of backend ``full``. Used by the model (``modeling_cca.py``) and by the cache's prefill
+attention of backend ``full``. Used by the model (``cca_hf.py``) and by the cache's prefill
 (``cache_cca.py``), so both run the same code."""
 
 import os
@@ -7,10 +7,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .cca_reference import apply_rope, cca_attention_reference, pool_core_tokens
+from ..kernels.cca_reference import apply_rope, cca_attention_reference, pool_core_tokens
 
 try:
-    from .cca_triton import cca_attention_triton
+    from ..kernels.cca_triton import cca_attention_triton
 except ImportError:  # triton is optional: CPU-only installs use the reference
     cca_attention_triton = None
 

@@ -14,6 +14,8 @@ shaped (L, d) or (B, L, d) (``rotate_half`` convention, as in transformers' Llam
 
 import torch
 
+from .cca_params import check_args
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -35,13 +37,6 @@ def unapply_rope(x_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     (c1, c2), (s1, s2), (x1, x2) = (t.float().chunk(2, dim=-1) for t in (cos, sin, x_rot))
     det = c1 * c2 + s1 * s2
     return torch.cat(((x1 * c2 + x2 * s1) / det, (x2 * c1 - x1 * s2) / det), dim=-1)
-
-
-def check_args(group_size: int, local_window: int, pooling: str) -> None:
-    if group_size < 1 or local_window < 1:
-        raise ValueError(f"group_size and local_window must be >= 1, got {group_size}, {local_window}")
-    if pooling not in ("kv", "query"):
-        raise ValueError(f"pooling must be 'kv' or 'query', got {pooling!r}")
 
 
 def check_given(q, k, q_rot, k_rot) -> None:

@@ -17,9 +17,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
-from .cache_cca import CCACache
-from .cca_reference import apply_rope
+from cca_convert.kernels.cca_reference import apply_rope
+from cca_convert.modeling.attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
+from cca_convert.modeling.cache_cca import CCACache
+
 from .configuration_cca import CCAConfig
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dca_reference import check_params
+from .dca_params import check_params
 from .tma import descriptors, use_tma as _use_tma
 
 _LOG2E = 1.4426950408889634

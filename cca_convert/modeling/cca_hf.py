@@ -38,13 +38,11 @@ from transformers.utils import logging
 from .attention_hooks import MethodModelMixin, dispatching, family_rope, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import SPECULATIVE_SLACK, CCACache, CCALayerCache
-from .cca_reference import apply_rope
+from ..kernels.cca_params import CHOICES, DEFAULTS, check_args
+from ..kernels.cca_reference import apply_rope
 from .decode_graph import DecodeGraphs, FusedModules, take_unrotated
 
 logger = logging.get_logger(__name__)
-
-DEFAULTS = {"group_size": 16, "local_window": 1024, "pooling": "kv", "attn_backend": "auto"}
-CHOICES = {"pooling": ("kv", "query"), "attn_backend": ("auto", "triton", "reference", "full")}
 
 
 class CCASettings:
@@ -62,10 +60,10 @@ class CCASettings:
 
 def check_settings(config):
     """Refuse bad ``cca_*`` values when the model is built, not at its first forward."""
-    for name in ("group_size", "local_window"):
-        value = getattr(config, f"cca_{name}", DEFAULTS[name])
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"cca_{name} must be an integer >= 1, got {value!r}")
+    try:
+        check_args(*(getattr(config, f"cca_{name}", DEFAULTS[name]) for name in ("group_size", "local_window")), "kv")
+    except ValueError as exc:
+        raise ValueError(f"cca_{exc}") from None
     for name in ("cuda_graphs", "compile_decode", "defer_stop_checks"):
         value = getattr(config, f"cca_{name}", True)
         if not isinstance(value, bool):

@@ -1,0 +1,197 @@
+"""``cca-convert validate DIR_OR_REPO``: the validation (``validate/``) re-run on an exported folder or Hub repo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import methods
+from .errors import CCAError
+from .validate import gates as gates_mod
+from .validate import report as report_mod
+from .validate.runner import CARD_END, CARD_START, Suite, _finetune_dump, card_section, load_tokenizer, model_info
+
+
+def validate_parser():
+    import argparse
+
+    from .argparsing import OneLineParser
+
+    p = OneLineParser(
+        prog="cca-convert validate",
+        description="Re-run the validation (perplexity, passkey, prefill speed, gates) of an exported CCA folder "
+                    "or Hub repo. On a folder, the report goes to validation-<date>-vs-<base>/ inside it, leaving the "
+                    "conversion's validation/ and model card as they were (--update-card replaces them).",
+        epilog="examples:\n  cca-convert validate out/tiny-cca\n"
+               "  cca-convert validate user/llama-3.1-8b-cca --output val-8b --set validate.data.files=[book.txt]\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="DIR_OR_REPO", help="exported folder, or Hub repo id of an exported model")
+    p.add_argument("--revision", help="Hub revision of DIR_OR_REPO")
+    p.add_argument("--recipe", type=Path, help="recipe whose validate: section to use (default: the folder's "
+                                               "cca_recipe.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set validate.context_lengths=[512,1024]")
+    p.add_argument("--base", metavar="PATH_OR_ID",
+                   help="base model to compare with (default: the same weights with attn_backend=full)")
+    p.add_argument("--output", type=Path, help="where validation/ goes (default: the folder itself; for a Hub "
+                                               "repo ./<name>-validation)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--update-card", action="store_true",
+                   help="replace the folder's validation/ report and the model card's table with this run's (by "
+                        "default a re-run writes validation-<date>-vs-<base>/ beside them and changes nothing else)")
+    return p
+
+
+def _recipe_for(folder: Path, args, repo_id: str | None):
+    import tempfile
+
+    from .recipe import load_recipe
+
+    path = args.recipe
+    if path is None and (folder / "cca_recipe.yaml").is_file():
+        path = folder / "cca_recipe.yaml"
+    if path is None and repo_id is not None:
+        try:
+            import huggingface_hub
+
+            path = Path(huggingface_hub.hf_hub_download(repo_id, "cca_recipe.yaml", revision=args.revision))
+        except Exception:
+            path = None
+    if path is None:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("{}\n")
+        try:
+            return load_recipe(Path(f.name), args.overrides)[0]
+        finally:
+            Path(f.name).unlink()
+    return load_recipe(path, args.overrides)[0]
+
+
+def load_converted_model(folder: Path, device: str):
+    """An exported folder's model: its family's class with its method's mixin, on ``device``."""
+    from transformers import AutoConfig
+
+    from . import published
+    from .families import family_of
+
+    raw = json.loads((folder / "config.json").read_text())
+    try:
+        model_cls = published.family_class(family_of(raw), methods.of_config(raw))
+    except ValueError as exc:
+        raise CCAError(f"{folder}: {exc}") from None
+    config = AutoConfig.from_pretrained(folder)
+    return model_cls.from_pretrained(folder, config=config, dtype=config.dtype).to(device).eval()
+
+
+def update_card(readme: Path, report: dict) -> None:
+    """Replace the validation section and the model-index of an exported README.md."""
+    from huggingface_hub import ModelCard
+
+    text = readme.read_text()
+    section = card_section(report)
+    if CARD_START in text and CARD_END in text:
+        head, rest = text.split(CARD_START, 1)
+        text = head + section.rstrip("\n") + rest.split(CARD_END, 1)[1]
+    elif "\n## Recipe" in text:
+        text = text.replace("\n## Recipe", "\n" + section + "\n## Recipe", 1)
+    else:
+        text += "\n" + section
+    card = ModelCard(text)
+    card.data.eval_results = report_mod.eval_results(report)
+    card.data.model_name = report["model"]["name"]
+    from .paths import portable_text
+
+    readme.write_text(portable_text(str(card)))
+
+
+def run_validate(argv: list[str]) -> int:
+    from .hub import resolve_source
+
+    args = validate_parser().parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    local = Path(args.target).expanduser()
+    repo_id = None if local.is_dir() else args.target
+    folder = resolve_source(args.target, args.revision)
+    if not (folder / "config.json").is_file():
+        raise CCAError(f"{args.target} has no config.json: pass an exported CCA folder")
+    raw = json.loads((folder / "config.json").read_text())
+    method = methods.of_config(raw)
+    if method is None:
+        raise CCAError(f"{args.target} is not a model converted by this version of cca-convert (its config.json has "
+                       f"the settings of none of its methods: {', '.join(methods.METHODS)}): convert it first. An "
+                       "export of the first releases (model_type cca) loads with the code it ships, "
+                       "trust_remote_code=True; to validate it, convert its base again")
+    from .export import weight_shapes
+
+    weight_shapes(folder)  # a truncated or corrupt shard is named first, before any setting or text is read
+    output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
+    recipe = _recipe_for(folder, args, repo_id)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    context = config.max_position_embeddings
+    section = recipe.validate.resolved(method.trained_context(config) or context)
+
+    beyond = [n for n in section.context_lengths if context and n > context]
+    if beyond:
+        raise CCAError(f"validate.context_lengths {beyond} exceed the model's context (max_position_embeddings="
+                       f"{context}); drop them with --set validate.context_lengths=[...]")
+    base_folder = resolve_source(args.base) if args.base else None
+    base_ctx = json.loads((base_folder / "config.json").read_text()).get("max_position_embeddings") if base_folder else None
+    if base_ctx and any(n > base_ctx for n in section.context_lengths):
+        print(f"warning: validate.context_lengths go past the base model's own context ({base_ctx}): its perplexity "
+              "there is out of its trained range")
+    tokenizer = load_tokenizer(folder)
+    suite = Suite(section, tokenizer, _finetune_dump(recipe), print)
+    print(f"held-out: {suite.data_info['source']}, {suite.data_info['tokens']:,} tokens; lengths "
+          f"{', '.join(map(str, section.context_lengths))}; device {device}")
+    model = load_converted_model(folder, device)
+    readme = folder / "README.md"
+    previous = report_mod.read(folder) or {}
+    finetuned = bool(previous.get("model", {}).get("finetuned")) or (
+        readme.is_file() and "adapted with a short finetune" in readme.read_text())
+    base_name = args.base or method.base_note.strip("()")
+    results = {}
+    if args.base:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=model.dtype).to(device).eval()
+        results["base"] = suite.measure(base, None, "base")
+        base_backend = None
+    else:
+        base, base_backend = model, "full"
+        results["base"] = suite.measure(model, "full", "base")
+    results[method.name] = suite.measure(model, None, method.label)
+    speed = suite.speed(base, base_backend, model, None, method)
+    gates = gates_mod.evaluate(section, results, method.name, method.label, method.trained_context(model.config))
+    name = repo_id or local.resolve().name
+    report = report_mod.build(
+        section, results, speed, gates, final=method.name,
+        model=model_info(model.config, name, base_name, finetuned), data=suite.data_info,
+        recipe_digest=recipe.digest(), forced=False, device=device,
+        base_note=f"{args.base} (--base)" if args.base else "this model's own weights with plain causal attention "
+                  + method.base_note + "; after a finetune these are the finetuned weights, pass --base for the "
+                  "original",
+    )
+    in_place = repo_id is None and output.resolve() == local.resolve()
+    if in_place and not args.update_card:
+        # the conversion's report (and the card's table, "measured before upload") stay as they were: a re-run
+        # writes beside them, named by its date and its base
+        from datetime import datetime, timezone
+
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        against = Path(args.base.rstrip("/")).name if args.base else "full-attention"
+        out = report_mod.write(report, output, f"validation-{stamp}-vs-{against}")
+    else:
+        out = report_mod.write(report, output)
+        if in_place and readme.is_file():
+            update_card(readme, report)
+    print(f"report: {out / 'report.md'}")
+    if gates_mod.failed(gates):
+        print(f"validation gates FAILED: {gates_mod.summary(gates)}")
+        return 1
+    print("all gates passed")
+    return 0
