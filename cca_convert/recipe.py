@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,7 +71,9 @@ def _model_for(names: tuple[str, ...]) -> type[RecipeBase]:
     fields.update({n: (m.section, m.section()) for n, m in methods.METHODS.items()})
     fields.update(finetune=(FinetuneSection, FinetuneSection()), export=(ExportSection, ExportSection()),
                   validate=(ValidateSection, ValidateSection()))
-    return create_model("Recipe", __base__=RecipeBase, **fields)
+    with warnings.catch_warnings():  # the `validate:` section shadows pydantic's deprecated BaseModel.validate
+        warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+        return create_model("Recipe", __base__=RecipeBase, **fields)
 
 
 def recipe_model() -> type[RecipeBase]:

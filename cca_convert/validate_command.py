@@ -70,19 +70,20 @@ def _recipe_for(folder: Path, args, repo_id: str | None):
     return load_recipe(path, args.overrides)[0]
 
 
-def load_converted_model(folder: Path, device: str):
-    """An exported folder's model: its family's class with its method's mixin, on ``device``."""
+def load_converted_model(folder: Path, device: str, config=None):
+    """An exported folder's model: its family's class with its method's mixin, on ``device`` (``config``: the folder's
+    config, when already read)."""
     from transformers import AutoConfig
 
     from . import published
-    from .families import family_of
+    from .families import FAMILIES
 
-    raw = json.loads((folder / "config.json").read_text())
-    try:
-        model_cls = published.family_class(family_of(raw), methods.of_config(raw))
-    except ValueError as exc:
-        raise CCAError(f"{folder}: {exc}") from None
-    config = AutoConfig.from_pretrained(folder)
+    config = config if config is not None else AutoConfig.from_pretrained(folder)
+    method = methods.of_config(config)
+    if method is None or config.model_type not in FAMILIES:
+        raise CCAError(f"{folder}: not a model converted by cca-convert (model_type {config.model_type!r}, settings of "
+                       f"none of its methods)")
+    model_cls = published.family_class(FAMILIES[config.model_type], method)
     return model_cls.from_pretrained(folder, config=config, dtype=config.dtype).to(device).eval()
 
 
@@ -148,7 +149,7 @@ def run_validate(argv: list[str]) -> int:
     suite = Suite(section, tokenizer, _finetune_dump(recipe), print)
     print(f"held-out: {suite.data_info['source']}, {suite.data_info['tokens']:,} tokens; lengths "
           f"{', '.join(map(str, section.context_lengths))}; device {device}")
-    model = load_converted_model(folder, device)
+    model = load_converted_model(folder, device, config)
     readme = folder / "README.md"
     previous = report_mod.read(folder) or {}
     finetuned = bool(previous.get("model", {}).get("finetuned")) or (

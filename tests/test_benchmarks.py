@@ -205,3 +205,37 @@ def test_recipes_at_scale_estimates_the_released_shapes_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "llama-3.1-8b: 8.03B params; estimates finetune 34.5 GiB" in proc.stdout
     assert "qwen3-30b-a3b: 30.53B params" in proc.stdout
+
+
+def test_every_benchmark_is_registered_and_the_results_index_is_current():
+    """Benchmarks are a product: each script has a registry row (what it measures, its command, how it is verified),
+    every script the README names is registered, and the generated results index matches the tree."""
+    import re
+
+    from benchmarks.registry import BENCHMARKS, HELPERS
+    from benchmarks.run import index_text
+
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")}
+    registered = {b.script for b in BENCHMARKS.values()}
+    assert scripts - HELPERS == registered, "register every benchmark in benchmarks/registry.py"
+    assert set(re.findall(r"benchmarks/(\w+\.py)", (REPO / "README.md").read_text())) <= registered | HELPERS
+    assert (REPO / "benchmarks/results/INDEX.md").read_text() == index_text(), "run: python benchmarks/run.py --index"
+    assert not list((REPO / "benchmarks/results").rglob("test-*.txt")), "pytest logs go to docs/test-runs/"
+
+
+def test_the_runner_keeps_a_record_of_a_benchmark_run(tmp_path, monkeypatch):
+    """``benchmarks/run.py NAME``: the script runs as registered and its record names the command, the commit, the
+    versions and the GPU, with the printed output."""
+    import json
+
+    from benchmarks import registry, run
+
+    monkeypatch.setattr(run, "RECORDS", tmp_path / "records")
+    monkeypatch.setattr(run, "write_index", lambda: None)
+    bench = registry.Benchmark("toy", "registry.py", "nothing", "", "this test", gpu=False)
+    monkeypatch.setitem(registry.BENCHMARKS, "toy", bench)
+    monkeypatch.setattr(run, "BENCHMARKS", registry.BENCHMARKS)
+    assert run.run("toy", []) == 0
+    record = json.loads(next((tmp_path / "records").glob("toy-*.json")).read_text())
+    assert record["command"] == "python benchmarks/registry.py" and record["exit_code"] == 0
+    assert record["versions"]["torch"] and record["gpu"] and record["date"] and "commit" in record

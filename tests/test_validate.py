@@ -18,7 +18,7 @@ from cca_convert.validate.config import HeldoutData, ValidateSection
 from cca_convert.validate.data import check_no_overlap, token_stream
 from cca_convert.validate.passkey import make_trials, passkey_accuracy
 from cca_convert.validate.perplexity import attention_backend, perplexity, select_windows
-from tests.factories import cca_model_from, save_base, tiny_base_model
+from tests.factories import cca_hf_model_from, cca_model_from, save_base, tiny_base_model
 
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
 
@@ -96,7 +96,7 @@ def direct_ppl(model, stream, offsets, length):
 
 def test_perplexity_matches_direct_nll_and_base():
     base = tiny_base_model(max_position_embeddings=512)
-    cca = cca_model_from(base, group_size=4, local_window=16)
+    cca = cca_hf_model_from(base, group_size=4, local_window=16)
     stream = torch.randint(0, 96, (700,), generator=torch.Generator().manual_seed(0))
     got = perplexity(cca, stream, 128, windows=3, batch_size=2)
     assert got["windows"] == 3 and got["tokens"] == 3 * 127
@@ -106,9 +106,9 @@ def test_perplexity_matches_direct_nll_and_base():
     assert math.isclose(base_ppl, direct_ppl(base, stream, got["offsets"], 128), rel_tol=1e-5)
     with attention_backend(cca, "full"):  # the same weights with causal attention = the base model
         assert math.isclose(perplexity(cca, stream, 128, windows=3)["ppl"], base_ppl, rel_tol=1e-5)
-    assert cca.config.attn_backend == "auto"
+    assert not hasattr(cca.config, "cca_attn_backend")  # left as it was: unset (the model's default, auto)
     assert not math.isclose(got["ppl"], base_ppl, rel_tol=1e-4)  # s < L: CCA really ran
-    wide = cca_model_from(base, group_size=4, local_window=128)  # s >= L: CCA equals full attention
+    wide = cca_hf_model_from(base, group_size=4, local_window=128)  # s >= L: CCA equals full attention
     assert math.isclose(perplexity(wide, stream, 128, windows=3)["ppl"], base_ppl, rel_tol=1e-5)
 
 
@@ -165,16 +165,16 @@ def _results(base_ppl, cca_ppl, base_pk, cca_pk):
 
 def test_gates_pass_fail_and_margins():
     section = ValidateSection(context_lengths=[512], max_ppl_ratio=1.1, min_passkey_accuracy=0.8, max_passkey_drop=0.1)
-    ok = gates.evaluate(section, _results(10.0, 10.5, 1.0, 1.0), "cca")
+    ok = gates.evaluate(section, _results(10.0, 10.5, 1.0, 1.0), "cca", "CCA")
     assert [g["passed"] for g in ok] == [True, True, True] and not gates.failed(ok)
     assert ok[0]["margin"] == pytest.approx(0.05)
-    bad = gates.evaluate(section, _results(10.0, 12.0, 1.0, 0.6), "cca")
+    bad = gates.evaluate(section, _results(10.0, 12.0, 1.0, 0.6), "cca", "CCA")
     assert [g["gate"] for g in gates.failed(bad)] == ["max_ppl_ratio", "min_passkey_accuracy", "max_passkey_drop"]
     msg = gates.summary(bad)
     assert "1.200 > 1.1 (over by 0.100)" in msg and "short by 0.20" in msg and "over by 0.30" in msg
     assert bad[0]["margin"] == pytest.approx(-0.1)
     off = ValidateSection(context_lengths=[512], max_ppl_ratio=None)
-    assert gates.evaluate(off, _results(10.0, 99.0, 1.0, 0.0), "cca") == []
+    assert gates.evaluate(off, _results(10.0, 99.0, 1.0, 0.0), "cca", "CCA") == []
 
 
 def test_heldout_must_not_overlap_finetune_data(tmp_path, texts):

@@ -38,14 +38,18 @@ def attention_backend(model, backend: str | None):
         if not swap:
             raise ValueError(f"{type(model).__name__} is not a converted model: no attention backend to set to "
                              f"{backend!r}")
-    old = {key: getattr(config, field, None) for key, (config, field, _) in swap.items()}
+    unset = object()
+    old = {key: getattr(config, field, unset) for key, (config, field, _) in swap.items()}
     try:
         for config, field, value in swap.values():
             setattr(config, field, value)
         yield model
     finally:
         for key, (config, field, _) in swap.items():
-            setattr(config, field, old[key])
+            if old[key] is unset:  # a field the config did not have goes again (its default applies)
+                delattr(config, field)
+            else:
+                setattr(config, field, old[key])
 
 
 @contextmanager

@@ -1,0 +1,66 @@
+"""The benchmarks: what each measures, the command that reproduces the README's figures, and how it is verified
+without a GPU. ``python benchmarks/run.py NAME`` runs one and keeps its record; ``benchmarks/results/INDEX.md`` is
+generated from this table and the records (``python benchmarks/run.py --index``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str  # benchmarks/<script>
+    measures: str
+    command: str  # the arguments of the run the README quotes (after the script)
+    verify: str  # how its code path is checked without a GPU (a test, or a smoke command)
+    gpu: bool = True  # needs a CUDA GPU for its real run
+    prefixes: tuple[str, ...] = ()  # earlier result files of this benchmark in benchmarks/results/ (names start so)
+
+
+BENCHMARKS = {b.name: b for b in (
+    Benchmark("attention", "attention.py", "CCA attention kernels (Triton) vs causal SDPA (cuDNN, flash) and the "
+              "PyTorch reference: forward and forward+backward time, TFLOP/s, 4K-128K, Llama-3.1-8B heads",
+              "--out benchmarks/results", "tests/test_benchmarks.py (the authors' path, medians, refusals); the "
+              "kernels' correctness: tests/kernels/test_cca_triton.py", prefixes=("attention",)),
+    Benchmark("dca", "dca.py", "DCA attention (fused Triton) vs causal SDPA and a three-call merge: prefill and decode "
+              "attention time; with --model, whole-model generate() decode", "--out benchmarks/results",
+              "tests/kernels/test_dca_triton.py (kernel == reference)", prefixes=("dca",)),
+    Benchmark("decode", "decode.py", "ms/token inside one real generate() after a real prefill: exported CCA model vs "
+              "stock full attention (eager and static-cache compiled), Llama-3.1-8B shape",
+              "--out benchmarks/results", "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("decode",)),
+    Benchmark("decode_synthetic", "decode_synthetic.py", "decode step of the first releases' model class on synthetic "
+              "caches: one layer and whole model, memory at 128K (secondary: decode.py is what users run)",
+              "--out benchmarks/results/decode-h200", "none on the CPU (CUDA only)"),
+    Benchmark("decode_profile", "decode_profile.py", "torch.profiler over one eager one-token step: kernels per step "
+              "and GPU time by kernel", "--context 32768", "none on the CPU (CUDA only)"),
+    Benchmark("dca_decode_profile", "dca_decode_profile.py", "DCA decode: the wrapper, the kernel launch alone, and "
+              "the profiler's CPU vs CUDA totals", "", "none on the CPU (CUDA only)"),
+    Benchmark("generate_profile", "generate_profile.py", "where a decode step's GPU time goes inside a real "
+              "generate(): wall time, busy time, kernels by name", "--context 32768 --backend cca",
+              "python benchmarks/generate_profile.py --smoke --device cpu --context 64"),
+    Benchmark("prefill", "prefill.py", "whole-model prefill, one pass and in chunks: exported CCA model vs stock "
+              "full attention, time and peak memory", "--out benchmarks/results",
+              "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("prefill",)),
+    Benchmark("skinny_rows", "skinny_rows.py", "the Triton few-row products vs cuBLAS, 1-16 rows, Llama-3.1-8B "
+              "shapes, inside a CUDA graph", "", "tests/kernels/test_skinny_triton.py (products == torch)"),
+    Benchmark("speculative", "speculative.py", "prompt-lookup decoding vs greedy in real generate(): ms/token and "
+              "whether the tokens equal greedy's", "--out benchmarks/results",
+              "tests/test_benchmarks.py (tiny model on the CPU)", prefixes=("speculative",)),
+    Benchmark("fidelity", "fidelity.py", "quality on real text through the CLI: base vs CCA before vs after the "
+              "finetune, perplexity and passkey by length (trains its own small base first)", "--quick",
+              "make test-gpu runs --quick; tests/test_benchmarks.py", prefixes=("fidelity",)),
+    Benchmark("gradient_sweep", "gradient_sweep.py", "the worst trainable gradient's error of the Triton backward "
+              "against the fp32 reference, per family, over seeds", "", "tests/finetune/test_model_training.py",
+              prefixes=("gradient",)),
+    Benchmark("finetune_8b", "finetune_8b.py", "the real finetune stage on a Llama-3.1-8B shape: tokens/s and peak "
+              "memory, CCA vs full attention; under accelerate launch, DDP/FSDP", "--seq-len 32768 --steps 3",
+              "tests/test_benchmarks.py; tests/finetune/test_multigpu.py (2 GPUs)", prefixes=("scale",)),
+    Benchmark("recipes_at_scale", "recipes_at_scale.py", "every shipped 7-30B recipe at its real shape: fits one "
+              "GPU?, estimated vs measured peak memory, tokens/s CCA vs full, validation memory and time",
+              "--rows llama-3.1-8b qwen3-8b", "python benchmarks/recipes_at_scale.py --tiny --device cpu "
+              "(tests/test_benchmarks.py)", prefixes=("scale",)),
+)}
+
+# Helpers the benchmarks share (not benchmarks themselves).
+HELPERS = {"registry.py", "run.py", "results_out.py", "step_clock.py"}
