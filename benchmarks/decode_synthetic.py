@@ -8,7 +8,7 @@ random weights, bf16, one GPU. Contexts 8K/32K/128K.
 Cache state: NOT prefilled. Both caches are constructed directly with random tensors of the shapes a
 prefill of ``L`` tokens leaves (full: K/V of L positions per layer in a DynamicCache; CCA: L/g core
 tokens, an s+g-1 slot ring, the g-slot pre-RoPE ring, counts = L), so every decode step does exactly the
-memory traffic and work of a step at context L. (Prefill correctness is covered by tests/test_cache_decode.py.)
+memory traffic and work of a step at context L. (Prefill correctness is covered by tests/modeling/test_cache_cca.py.)
 
 Per-token latency = mean over timed steps of one ``forward`` of one new token (CUDA events), after warm-up.
 ``attn layer``: one CCAAttention module (projections included) with its layer's cache.

@@ -1,5 +1,5 @@
 """How close each forward kernel's gradients are to fp32, over many tiny checkpoints: the model-level check of
-``tests/test_model_training.py`` (``compare_training``: the worst trainable gradient's error against the fp32
+``tests/finetune/test_model_training.py`` (``compare_training``: the worst trainable gradient's error against the fp32
 reference, divided by its limit, ``2 x`` the bf16 reference's error ``+ 2e-2``), per model seed.
 
 The test runs a few checkpoints per family; one draw of this statistic says little where it is heavy-tailed (qwen2:

@@ -4,7 +4,7 @@ recipes, the finetune (which projections are Q/K/V) and the tests.
 A family's model under a method is transformers' own causal-LM class with the method's mixin in front (e.g.
 ``CCAModelMixin``, ``modeling/cca_hf.py``); the exported repo's ``modeling_<method>_<model_type>.py`` is generated
 from the row (``published.modeling_source``).
-Adding a family = a row here + a shipped recipe (+ tiny-checkpoint sizes in ``tests/factories.TINY`` if the
+Adding a family = a row here + a shipped recipe (+ tiny-checkpoint sizes in ``tests/support/factories.TINY`` if the
 defaults do not fit). What the row cannot
 express is refused by ``config_problems`` with the reason, never converted approximately.
 """

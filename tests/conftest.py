@@ -7,7 +7,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.hub_server import configure_hf_client, hub_server  # noqa: F401  (fixture for all tests)
+from tests.support.hub_server import configure_hf_client, hub_server  # noqa: F401  (fixture for all tests)
 
 # Small CPU tests: one thread each is faster than oversubscribing CI's two cores.
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Bad input, one row per class a user meets: the exit status, the `error:` line, and nothing left in or beside
-the output. (Random recipes and `--set` values: tests/test_recipe_fuzz.py.)"""
+the output. (Random recipes and `--set` values: tests/test_recipe.py.)"""
 
 import json
 import re
@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from cca_convert.cli import main
-from tests.factories import save_base
-from tests.test_finetune import write_text
+from tests.support.factories import save_base, write_text
 
 GOOD = {
     "cca": {"group_size": 4, "local_window": 16},

@@ -135,7 +135,7 @@ def test_speculative_benchmark_on_an_export_and_a_text(tmp_path):
     """``--model`` / ``--text``: a CCA export loaded as users load it, prompted with a text file and a quote of its
     start; prompt lookup and the oracle's drafts give the greedy tokens. Bad pairings of the options exit with 2."""
     from cca_convert.cli import main
-    from tests.factories import save_base
+    from tests.support.factories import save_base
 
     base = save_base(tmp_path / "base")
     (tmp_path / "recipe.yaml").write_text("cca: {group_size: 4, local_window: 8}\n"

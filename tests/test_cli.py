@@ -13,7 +13,7 @@ import yaml
 
 from cca_convert import methods, published
 from cca_convert.cli import main
-from tests.factories import LLAMA3_ROPE, save_base
+from tests.support.factories import LLAMA3_ROPE, save_base
 
 REPO = Path(__file__).resolve().parents[1]
 

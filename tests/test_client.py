@@ -8,7 +8,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cca_convert.cli import main
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 RECIPE = """
 cca: {group_size: 4, local_window: 8}

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from cca_convert.cli import main
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 
 @pytest.fixture(scope="module")

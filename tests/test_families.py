@@ -17,7 +17,7 @@ import transformers
 
 from cca_convert.cli import main
 from cca_convert.families import FAMILIES
-from tests.factories import VARIANTS, family_and_overrides, save_base
+from tests.support.factories import VARIANTS, family_and_overrides, save_base
 
 CASES = list(FAMILIES) + list(VARIANTS)
 RECIPE = """

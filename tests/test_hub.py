@@ -1,4 +1,4 @@
-"""cca_convert.hub against the local test Hub (tests/hub_server.py): downloads, pushes, errors."""
+"""cca_convert.hub against the local test Hub (tests/support/hub_server.py): downloads, pushes, errors."""
 
 import shutil
 
@@ -7,7 +7,7 @@ import torch
 
 from cca_convert.errors import CCAError
 from cca_convert.hub import push_folder, resolve_source
-from tests.hub_server import FAKE_TOKEN, closed_port_url, configure_hf_client, hub_server  # noqa: F401 (fixture)
+from tests.support.hub_server import FAKE_TOKEN, closed_port_url, configure_hf_client, hub_server  # noqa: F401 (fixture)
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 127, 2, 3, 4]])
 

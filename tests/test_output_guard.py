@@ -15,7 +15,7 @@ import yaml
 from cca_convert.cli import main
 from cca_convert.output_guard import OUTPUT_MARKERS, check_output, protected_paths
 from cca_convert.errors import CCAError
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 RECIPE = {"cca": {"group_size": 4, "local_window": 16}, "export": {"dtype": "float32", "roundtrip": False},
           "finetune": {"enabled": False}, "validate": {"enabled": False}}

@@ -16,7 +16,7 @@ import yaml
 
 from cca_convert import roundtrip
 from cca_convert.cli import main
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = {"cca": {"group_size": 4, "local_window": 16}, "export": {"dtype": "float32", "roundtrip": False},

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from cca_convert.cli import main
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 REPO = Path(__file__).resolve().parents[1]
 def _server_importable() -> bool:

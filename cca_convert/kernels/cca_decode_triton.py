@@ -218,7 +218,7 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
         real = real[:, None]
     r_pad = max(16, _next_pow2(rep))
     # Tokens per tile: as many as fit. A tensor-core product rounds a row alike wherever it sits in the tile
-    # (tests/test_decode_pass.py checks the bits on a GPU); NumPy's matmul, the interpreter's tl.dot, does not:
+    # (tests/kernels/test_cca_decode_triton.py checks the bits on a GPU); NumPy's matmul, the interpreter's tl.dot, does not:
     # there each token keeps the rows of its one-token call.
     tpp = r_pad // rep if q.is_cuda else 1
     n_tb = triton.cdiv(n_tok, tpp)

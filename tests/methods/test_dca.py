@@ -17,7 +17,7 @@ import transformers
 
 from cca_convert.cli import main
 from cca_convert.families import FAMILIES
-from tests.factories import TINY, save_base
+from tests.support.factories import TINY, save_base
 
 C, W = 24, 8  # s = 16
 DCA_FAMILIES = [f for f in FAMILIES if f != "gemma3_text"]  # Gemma 3's sliding layers: refused (test below)
@@ -182,7 +182,7 @@ def test_the_exported_tokenizer_claims_the_converted_context(tmp_path):
     its tokenizer (no "indexing errors" warning, truncation at the real context)."""
     from transformers import AutoTokenizer
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     assert main([str(repo / "examples" / "tiny-llama"), "--output", str(out), "--set", "method=dca",
                  "--set", "validate.enabled=false", "--set", "export.roundtrip=false"]) == 0

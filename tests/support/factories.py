@@ -154,3 +154,44 @@ LLAMA31_8B = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
+
+
+# Text for the data stages: learnable documents, a character-level tokenizer
+WORDS = ("the lord spake unto moses saying speak unto the children of israel and say unto them "
+         "when any man of you bring an offering unto the lord ye shall bring your offering of the cattle").split()
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
+
+
+def write_text(path: Path, n_docs: int = 6, words: int = 300, seed: int = 0) -> Path:
+    """Docs separated by blank lines, drawn from a tiny bigram-ish process (learnable in a few steps)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        i = int(torch.randint(len(WORDS), (1,), generator=g))
+        out = []
+        for _ in range(words):
+            out.append(WORDS[i])
+            i = (i + 1) % len(WORDS) if torch.rand(1, generator=g) < 0.9 else int(torch.randint(len(WORDS), (1,), generator=g))
+        docs.append(" ".join(out) + ".")
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (99 ids: <unk>, <s>, </s>, then printable ASCII and newline)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def sample_text(seed: int, n_chars: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    words = ["the", "grass", "light", "of", "and", "unto", "them", "said", "he", "city", "water", "stone", "day"]
+    out = []
+    while sum(len(w) + 1 for w in out) < n_chars:
+        out.append(words[torch.randint(len(words), (1,), generator=gen).item()])
+    return " ".join(out) + ".\n"

@@ -6,7 +6,7 @@ CPU: only under ``TRITON_INTERPRET=1``, small shapes. GPU: Llama-3.1-8B's shapes
 import pytest
 import torch
 
-from tests.triton_env import triton_device
+from tests.support.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 

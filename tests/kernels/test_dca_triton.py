@@ -8,12 +8,13 @@ bf16 tolerance, FlashAttention style: max|tri - ref_fp32| <= 2 * max|ref_bf16 - 
 import pytest
 import torch
 
-from tests.triton_env import triton_device
+from tests.support.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 
 from cca_convert.kernels import dca_reference as ref
 from cca_convert.kernels import dca_triton as tri
+from tests.support import naive_dca
 
 
 def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None,
@@ -141,7 +142,7 @@ def test_reference_matches_naive_with_rotated_keys():
         1, 2, 19, 16, generator=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     pos, valid = torch.arange(19)[None], torch.ones(1, 19, dtype=torch.bool)
-    naive = ref.dca_attention_naive(q, k, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25)
+    naive = naive_dca.dca_attention_naive(q, k, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25)
     kr = ref.rotate_keys(k, pos, 7, 2, inv_freq)
     got = ref.dca_attention_reference(q, kr, v, pos, pos, valid, valid, 7, 2, inv_freq, 0.25, keys_rotated=True)
     assert (got - naive).abs().max() < 1e-5

@@ -16,8 +16,8 @@ import contextlib
 import pytest
 import torch
 
-from tests.factories import TINY, cca_hf_model_from, tiny_base_model
-from tests.triton_env import triton_device
+from tests.support.factories import TINY, cca_hf_model_from, tiny_base_model
+from tests.support.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("the Triton backend")
 

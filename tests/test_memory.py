@@ -8,7 +8,7 @@ import pytest
 
 from cca_convert import memory
 from cca_convert.cli import main
-from tests.factories import LLAMA31_8B, save_base, save_sparse_checkpoint
+from tests.support.factories import LLAMA31_8B, save_base, save_sparse_checkpoint
 
 GiB = 2**30
 

@@ -18,7 +18,7 @@ from pydantic import Field
 from cca_convert import methods
 from cca_convert.cli import main
 from cca_convert.schema import Section
-from tests.factories import save_base
+from tests.support.factories import save_base
 
 TOY_MODULE = '''"""Toy attention: the stock attention with every logit scaled by config.toy_scale."""
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cca_convert.finetune.chunked_loss import ChunkedLoss, chunked_cross_entropy
-from tests.factories import cca_hf_model_from, family_and_overrides, tiny_base_model
+from tests.support.factories import cca_hf_model_from, family_and_overrides, tiny_base_model
 
 
 def _loss_and_grads(model, batch):

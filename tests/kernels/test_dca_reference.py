@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cca_convert.kernels import dca_reference as dca
+from tests.support import naive_dca
 
 
 def inv_freq(head_dim, rotary_dim=None, theta=10000.0):
@@ -67,16 +68,16 @@ def test_distances_stay_in_the_trained_range(chunk, local):
 def test_config_rules_and_qwen_1m():
     qwen = json.loads('{"chunk_size": 262144, "local_size": 8192, "original_max_position_embeddings": 262144,'
                       ' "sparse_attention_enabled": true, "sparse_attention_threshold": 32768}')
-    assert dca.resolve_params(qwen, 262144) == (262144, 8192, 262144)  # s = 253952; sparse keys ignored
-    assert dca.resolve_params(None, 4096) == (3072, 512, 0)  # ChunkLlama default, temperature off
-    assert dca.resolve_params(None, 8192) == (6144, 1024, 0)
+    assert naive_dca.resolve_params(qwen, 262144) == (262144, 8192, 262144)  # s = 253952; sparse keys ignored
+    assert naive_dca.resolve_params(None, 4096) == (3072, 512, 0)  # ChunkLlama default, temperature off
+    assert naive_dca.resolve_params(None, 8192) == (6144, 1024, 0)
     for bad, match in [(dict(chunk_size=8, local_size=4), "must be < the chunk length"),
                        (dict(chunk_size=4, local_size=4), "must exceed local_size"),
                        (dict(chunk_size=9000, local_size=100), "exceeds the base model's trained context"),
                        (dict(chunk_size=8, local_size=-1), "must be >= 0"),
                        (dict(chunk_size=8.5, local_size=1), "must be an integer")]:
         with pytest.raises(ValueError, match=match):
-            dca.resolve_params(bad, 8192)
+            naive_dca.resolve_params(bad, 8192)
 
 
 def test_temperature():
@@ -97,9 +98,9 @@ def test_reference_equals_the_naive_loop(heads, kv, head_dim, rotary, chunk, loc
     pos = (valid.long().cumsum(-1) - 1).clamp_min(0)
     freq = inv_freq(head_dim, rotary)
     args = (q, k, v, pos, pos, valid, valid, chunk, local, freq, head_dim**-0.5)
-    want = dca.dca_attention_naive(*args)
+    want = naive_dca.dca_attention_naive(*args)
     torch.testing.assert_close(dca.dca_attention_reference(*args), want, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(dca.dca_attention_lse_merge(*args), want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(naive_dca.dca_attention_lse_merge(*args), want, atol=1e-10, rtol=1e-10)
     assert torch.isfinite(want).all() and not want[1, :, :5].any()  # pad rows: 0, finite
 
 
@@ -107,7 +108,7 @@ def test_lse_merge_equals_one_softmax_including_gradients():
     q, k, v, pos, valid = tensors(length=19)
     freq = inv_freq(16)
     grads = []
-    for fn in (dca.dca_attention_reference, dca.dca_attention_lse_merge):
+    for fn in (dca.dca_attention_reference, naive_dca.dca_attention_lse_merge):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves, pos, pos, valid, valid, 7, 2, freq, 0.25)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
@@ -122,11 +123,11 @@ def test_degenerates_to_plain_rope_attention_up_to_C_and_differs_after():
     q, k, v, pos, valid = tensors(length=chunk + 1)  # L <= C + 1: exactly the base model
     args = (q, k, v, pos, pos, valid, valid)
     torch.testing.assert_close(dca.dca_attention_reference(*args, chunk, local, freq, 0.25),
-                               dca.plain_rope_attention(*args, freq, 0.25), atol=1e-10, rtol=1e-10)
+                               naive_dca.plain_rope_attention(*args, freq, 0.25), atol=1e-10, rtol=1e-10)
     q, k, v, pos, valid = tensors(length=30)  # longer: rows i <= C unchanged, every row i > C differs
     args = (q, k, v, pos, pos, valid, valid)
     got = dca.dca_attention_reference(*args, chunk, local, freq, 0.25)
-    base = dca.plain_rope_attention(*args, freq, 0.25)
+    base = naive_dca.plain_rope_attention(*args, freq, 0.25)
     torch.testing.assert_close(got[:, :, : chunk + 1], base[:, :, : chunk + 1], atol=1e-10, rtol=1e-10)
     assert ((got[:, :, chunk + 1:] - base[:, :, chunk + 1:]).abs().amax(-1) > 1e-6).all()
 

@@ -10,9 +10,8 @@ import yaml
 
 from cca_convert.cli import main
 from cca_convert.validate_command import load_converted_model
-from tests.factories import save_base
-from tests.hub_server import FAKE_TOKEN, hub_server  # noqa: F401 (fixture)
-from tests.test_validate import char_tokenizer, sample_text
+from tests.support.factories import char_tokenizer, sample_text, save_base
+from tests.support.hub_server import FAKE_TOKEN, hub_server  # noqa: F401 (fixture)
 
 PROBE = torch.arange(3, 103).remainder(90)[None] + 3  # 100 tokens > local_window: real CCA attention
 

@@ -18,29 +18,14 @@ from cca_convert.validate.config import HeldoutData, ValidateSection
 from cca_convert.validate.data import check_no_overlap, token_stream
 from cca_convert.validate.passkey import make_trials, passkey_accuracy
 from cca_convert.validate.perplexity import attention_backend, perplexity, select_windows
-from tests.factories import cca_hf_model_from, cca_model_from, save_base, tiny_base_model
-
-CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
-
-
-def char_tokenizer():
-    """A character-level fast tokenizer (99 ids: <unk>, <s>, </s>, then printable ASCII and newline)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-
-
-def sample_text(seed: int, n_chars: int) -> str:
-    gen = torch.Generator().manual_seed(seed)
-    words = ["the", "grass", "light", "of", "and", "unto", "them", "said", "he", "city", "water", "stone", "day"]
-    out = []
-    while sum(len(w) + 1 for w in out) < n_chars:
-        out.append(words[torch.randint(len(words), (1,), generator=gen).item()])
-    return " ".join(out) + ".\n"
+from tests.support.factories import (
+    cca_hf_model_from,
+    cca_model_from,
+    char_tokenizer,
+    sample_text,
+    save_base,
+    tiny_base_model,
+)
 
 
 @pytest.fixture
@@ -324,8 +309,9 @@ def test_validate_command_on_exported_folder(tmp_path, base_dir, texts, capsys):
 
 
 def test_non_finite_perplexity_fails_whatever_the_gates(tmp_path, base_dir, texts):
-    from cca_convert.validate.runner import Suite
     from transformers import AutoTokenizer
+
+    from cca_convert.validate.runner import Suite
 
     section = ValidateSection(data={"files": [str(texts[0])]}, context_lengths=[32], windows=1,
                               passkey_trials=0, speed=False, max_ppl_ratio=None)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from cca_convert.kernels import cca_reference as ref
-from tests.naive_cca import naive_cca_attention
+from tests.support.naive_cca import naive_cca_attention
 
 G, S = 4, 6  # g does not divide s
 

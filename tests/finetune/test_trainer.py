@@ -13,25 +13,7 @@ from cca_convert.errors import CCAError
 from cca_convert.finetune.trainer import FinetuneInterrupted, stage_finetune
 from cca_convert.pipeline import STAGES, Job
 from cca_convert.recipe import Recipe, load_recipe
-from tests.factories import cca_hf_model_from, tiny_base_model
-
-WORDS = ("the lord spake unto moses saying speak unto the children of israel and say unto them "
-         "when any man of you bring an offering unto the lord ye shall bring your offering of the cattle").split()
-
-
-def write_text(path: Path, n_docs: int = 6, words: int = 300, seed: int = 0) -> Path:
-    """Docs separated by blank lines, drawn from a tiny bigram-ish process (learnable in a few steps)."""
-    g = torch.Generator().manual_seed(seed)
-    docs = []
-    for _ in range(n_docs):
-        i = int(torch.randint(len(WORDS), (1,), generator=g))
-        out = []
-        for _ in range(words):
-            out.append(WORDS[i])
-            i = (i + 1) % len(WORDS) if torch.rand(1, generator=g) < 0.9 else int(torch.randint(len(WORDS), (1,), generator=g))
-        docs.append(" ".join(out) + ".")
-    path.write_text("\n\n".join(docs) + "\n")
-    return path
+from tests.support.factories import cca_hf_model_from, tiny_base_model, write_text
 
 
 def save_tokenizer(folder: Path, text: str, vocab_size: int = 90) -> None:
@@ -186,7 +168,7 @@ def test_seq_len_beyond_the_context_fails_with_the_fix(tmp_path, corpus):
 
 
 def test_recipe_keys_and_enabled_switch(tmp_path):
-    demo = Path(__file__).parents[1] / "recipes" / "tiny-demo.yaml"
+    demo = Path(__file__).parents[2] / "recipes" / "tiny-demo.yaml"
     recipe, _ = load_recipe(demo)
     job = Job(source="x", base_dir=tmp_path, output=tmp_path / "o", recipe=recipe)
     names = [s.name for s in STAGES if s.enabled(job)]

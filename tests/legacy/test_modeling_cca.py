@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.factories import LLAMA3_ROPE, cca_model_from, tiny_base_model
+from tests.support.factories import LLAMA3_ROPE, cca_model_from, tiny_base_model
 
 CASES = {
     "llama-gqa": dict(family="llama"),

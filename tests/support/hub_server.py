@@ -20,7 +20,7 @@ Auth
     ``Hub.gate_metadata = True`` repo info and tree listings are refused too. The request log records
     whether a token was sent and whether it was valid, never its value; nothing is printed.
 
-Use as a pytest plugin (``pytest_plugins = ["tests.hub_server"]`` in conftest.py, or import the
+Use as a pytest plugin (``pytest_plugins = ["tests.support.hub_server"]`` in conftest.py, or import the
 ``hub_server`` fixture into a test module)::
 
     def test_x(hub_server):
@@ -28,7 +28,7 @@ Use as a pytest plugin (``pytest_plugins = ["tests.hub_server"]`` in conftest.py
         path = huggingface_hub.hf_hub_download("user/src", "config.json")   # goes to hub_server.url
         hub_server.run_python("from transformers import AutoConfig; AutoConfig.from_pretrained('user/src')")
 
-``python tests/hub_server.py`` serves it on 127.0.0.1 until interrupted (for manual checks).
+``python tests/support/hub_server.py`` serves it on 127.0.0.1 until interrupted (for manual checks).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 FAKE_TOKEN = "hf_cca_test_token_not_a_secret_0123456789"
 USERNAME = "user"  # the account the fake token belongs to (namespace for `create_repo("name")`)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The server decides what goes through LFS, like the Hub's default .gitattributes + its size limit.
 LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.onnx", "*.gguf", "*.model",

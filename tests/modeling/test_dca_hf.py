@@ -12,7 +12,7 @@ import transformers
 
 from cca_convert.families import FAMILIES
 from cca_convert.modeling import dca_hf as hf
-from tests.factories import TINY, tiny_base_model
+from tests.support.factories import TINY, tiny_base_model
 
 CHUNK, LOCAL = 24, 8  # s = 16: chunk boundaries at 16, 32, 48 ...
 

@@ -13,7 +13,7 @@ import transformers
 
 from cca_convert.families import FAMILIES as TABLE
 from cca_convert.modeling import cca_hf as hf
-from tests.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
+from tests.support.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
 
 
 def cca_class(base):

@@ -6,7 +6,7 @@ tile and group boundaries, pad columns inside a pass, rows at different position
 import pytest
 import torch
 
-from tests.triton_env import triton_device
+from tests.support.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("the decode kernels")
 from cca_convert.kernels import cca_decode_triton as kern

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import family_and_overrides, save_base
+from tests.support.factories import family_and_overrides, save_base
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 CONFIGS = {"fsdp": REPO / "cca_convert/finetune/accelerate_fsdp.yaml",
            "ddp": REPO / "cca_convert/finetune/accelerate_ddp.yaml"}

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from tests.triton_env import triton_device
+from tests.support.triton_env import triton_device
 
 INTERPRET, HAS_CUDA, DEVICE = triton_device("Triton kernels")
 

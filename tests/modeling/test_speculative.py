@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cca_convert.modeling import cache_cca
-from tests.factories import cca_hf_model_from, tiny_base_model
+from tests.support.factories import cca_hf_model_from, tiny_base_model
 
 G, S = 4, 8
 

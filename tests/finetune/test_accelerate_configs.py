@@ -1,6 +1,6 @@
 """The shipped accelerate configs (``cca_convert/finetune/accelerate_*.yaml``) are code: they parse, name no model
 class and no process count, and FSDP's wrap policy finds the decoder layers of every family's exported class (and of
-its LoRA wrapper) from the model itself. The launches themselves run in tests/test_multigpu.py (2 GPUs)."""
+its LoRA wrapper) from the model itself. The launches themselves run in tests/finetune/test_multigpu.py (2 GPUs)."""
 
 from pathlib import Path
 
@@ -10,9 +10,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils.dataclasses import get_module_class_from_name
 
 from cca_convert.families import FAMILIES
-from tests.factories import cca_hf_model_from, family_and_overrides, tiny_base_model
+from tests.support.factories import cca_hf_model_from, family_and_overrides, tiny_base_model
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "cca_convert" / "finetune").glob("accelerate_*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "cca_convert" / "finetune").glob("accelerate_*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

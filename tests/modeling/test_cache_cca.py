@@ -361,7 +361,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         assert cache.layers[0].core_k.shape[2] > 0
 
     # the exported class (stock attention modules hand over post-RoPE q/k: the rotated decode path)
-    from tests.factories import cca_hf_model_from, tiny_base_model
+    from tests.support.factories import cca_hf_model_from, tiny_base_model
     base = tiny_base_model("llama", max_position_embeddings=128, pad_token_id=0)
     for pooling in ("kv", "query"):
         m = cca_hf_model_from(base, group_size=3, local_window=4, pooling=pooling, attn_backend="auto")
