@@ -85,7 +85,7 @@ def run(name: str, args: list[str]) -> int:
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{name}-{slug(gpu)}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"record: {path.relative_to(ROOT)}")
+    print(f"record: {path}")
     write_index()
     return code
 

@@ -246,14 +246,8 @@ class CCAModelMixin(MethodModelMixin):
         list(self._hook_attention_modules(_attention))
 
     def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, logits_to_keep=0, **kwargs):
-        # (logits_to_keep named: generate() passes it only to a forward whose signature shows it; without it a prefill
-        # computes the vocabulary's logits at every prompt position, e.g. 34 GB for 128K tokens of Llama-3.1-8B)
         uses_cca = self.config._attn_implementation == "cca"
-        self._refuse_attention_weights(output_attentions)
-        if output_attentions is not None:
-            kwargs["output_attentions"] = output_attentions
-        if not isinstance(logits_to_keep, int) or logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = self._stock_kwargs(kwargs, output_attentions, logits_to_keep)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if uses_cca and use_cache and not self.training and CCASettings(self.config).attn_backend != "full":
             if past_key_values is None or (not isinstance(past_key_values, CCACache)

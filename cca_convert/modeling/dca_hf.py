@@ -238,12 +238,7 @@ class DCAModelMixin(MethodModelMixin):
 
     def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, output_attentions=None,
                 logits_to_keep=0, **kwargs):
-        # (logits_to_keep named: generate() passes it only to a forward whose signature shows it)
-        self._refuse_attention_weights(output_attentions)
-        if output_attentions is not None:
-            kwargs["output_attentions"] = output_attentions
-        if not isinstance(logits_to_keep, int) or logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = self._stock_kwargs(kwargs, output_attentions, logits_to_keep)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.config._attn_implementation == "dca" and use_cache and not self.training:
             if past_key_values is None or (not isinstance(past_key_values, DCACache)
