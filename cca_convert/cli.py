@@ -55,6 +55,10 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) of SOURCE")
     p.add_argument("--resume", action="store_true", help="continue an interrupted finetune from its last checkpoint")
     p.add_argument("--force", action="store_true", help="export (and push) even if a validation gate fails")
+    p.add_argument("--gpus", type=int, metavar="N", help="run on N GPUs of this machine (accelerate launch with the "
+                                                         "package's config; only rank 0 writes)")
+    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp",
+                   help="with --gpus: FSDP (sharded; any finetune method) or DDP (replicated; LoRA / qkv)")
     from .publish import add_push_options
 
     add_push_options(p)
@@ -97,7 +101,11 @@ def run_convert(argv: list[str]) -> int:
         from .publish import preflight
 
         preflight(args.push_to_hub, revision=args.hub_revision, create_pr=args.create_pr)
-    base_dir = resolve_source(args.source, args.revision)
+    base_dir = resolve_source(args.source, args.revision)  # a Hub download happens once, here, before any launch
+    if args.gpus is not None and args.gpus < 1:
+        raise CCAError(f"--gpus {args.gpus}: give the number of GPUs to use (1 or more)")
+    if args.gpus and args.gpus > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(argv, args.gpus, args.parallel)
     family = read_base_config(base_dir)["model_type"]
     if recipe is None:
         recipe, path = load_recipe(None, args.overrides, family)
@@ -108,6 +116,25 @@ def run_convert(argv: list[str]) -> int:
               command=shlex.join(["cca-convert", *(a for a in argv if a != "--debug")]))
     run_job(job)
     return 0
+
+
+def _launch(argv: list[str], gpus: int, parallel: str) -> int:
+    import torch
+
+    from . import launch
+
+    available = torch.cuda.device_count()
+    if available < gpus:
+        raise CCAError(f"--gpus {gpus}: this machine has {available} CUDA GPU(s); use at most {available}")
+    ranks_argv, skip = [], False
+    for a in argv:  # the ranks get the same command without the launch options
+        if skip:
+            skip = False
+        elif a in ("--gpus", "--parallel"):
+            skip = True
+        elif not a.startswith(("--gpus=", "--parallel=")):
+            ranks_argv.append(a)
+    return launch.run(launch.launcher_command(ranks_argv, gpus, parallel))
 
 
 COMMANDS = {}  # subcommand name -> handler(argv) -> exit code; the default command is convert

@@ -208,8 +208,7 @@ def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
                 shape, method=ft.method, seq_len=ft.seq_len, micro_batch=ft.micro_batch_size,
                 checkpointing=ft.gradient_checkpointing, weight_bytes=job.dtype.itemsize, world=w, fsdp=True), budget)
             if world:
-                ideas.append(f"FSDP on {world} GPUs (accelerate launch --config_file "
-                             f"cca_convert/finetune/accelerate_fsdp.yaml --num_processes {world} -m cca_convert.cli ...)")
+                ideas.append(f"FSDP on {world} GPUs (the same command with --gpus {world})")
     else:
         v = job.recipe.validate
         if v.batch_size > 1 and fits(**{"validate.batch_size": 1}):

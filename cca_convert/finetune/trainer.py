@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -234,6 +235,8 @@ class StopOnSignal:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
+            if signum == signal.SIGTERM and os.environ.get("TORCHELASTIC_RUN_ID"):
+                return  # a launcher forwards each signal it gets: under one, a repeated SIGTERM is not a second request
             self.__exit__()
             raise KeyboardInterrupt
         self.signum = signum

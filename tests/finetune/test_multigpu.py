@@ -127,3 +127,31 @@ def test_kill_9_mid_finetune_then_resume_gives_the_uninterrupted_weights(bases, 
     same = weights(out) == weights(tmp_path / "a" / "out")
     print(f"\nkilled after checkpoint step {killed_at}; resumed weights bit-identical to the uninterrupted run: {same}")
     assert same
+
+
+def test_sigterm_on_two_gpus_exits_130_then_resume_gives_the_uninterrupted_weights(bases, tmp_path):
+    """``cca-convert --gpus 2``: one SIGTERM to the command reaches each rank once; they finish the step, write the
+    checkpoint together, and the command exits 130; ``--resume`` then ends with the weights of a straight run."""
+    args = recipe_args("qkv", steps=200, checkpoint_every=0) + ["--gpus", "2", "--parallel", "ddp"]
+    (tmp_path / "a").mkdir()
+    straight = launch(None, bases["llama"], tmp_path / "a" / "out", args)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    (tmp_path / "b").mkdir()
+    out = tmp_path / "b" / "out"
+    proc = launch(None, bases["llama"], out, args, start_new_session=True)
+    metrics = tmp_path / "b" / ".out.work" / "finetune" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal: " + proc.stdout.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    printed = proc.communicate(timeout=300)[0]
+    state = json.loads((tmp_path / "b" / ".out.work" / "finetune" / "checkpoint" / "state.json").read_text())
+    print(f"\nSIGTERM: exit {proc.returncode}, checkpoint at step {state['step']}")
+    assert proc.returncode == 130, printed[-3000:]
+    assert 3 <= state["step"] < 200 and not out.exists()
+    resumed = launch(None, bases["llama"], out, args + ["--resume"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert weights(out) == weights(tmp_path / "a" / "out")
