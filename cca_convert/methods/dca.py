@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import CCAError
 from ..kernels.dca_params import BACKENDS, check_params, default_sizes
@@ -26,7 +26,7 @@ class DCASection(Section):
                                                             "length, which is chunk_size - local_size)")
     local_size: int | None = Field(None, ge=0, description="w: queries at in-chunk offset <= w see the previous "
                                                             "chunk at exact distances")
-    original_max_position_embeddings: int | None = Field(
+    trained_context: int | None = Field(
         None, ge=1, description="c: the base's trained context (null: its max_position_embeddings); chunk_size <= c; "
                                 "also the length past which the temperature applies")
     temperature: bool | None = Field(None, description="multiply logits by (0.1 ln(L/c) + 1)^2 past c (Qwen2.5-1M); "
@@ -34,6 +34,15 @@ class DCASection(Section):
     max_position_embeddings: int | None = Field(
         None, ge=1, description="the converted model's context (null: 8 x the trained context c)")
     attn_backend: Literal[BACKENDS] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "original_max_position_embeddings" in data:
+            raise ValueError("dca.original_max_position_embeddings is now dca.trained_context (the base's trained "
+                             "context c); the exported dual_chunk_attention_config keeps Qwen's "
+                             "original_max_position_embeddings, which holds c when the temperature is on and 0 when off")
+        return data
 
     @field_validator("local_size")
     @classmethod
@@ -95,13 +104,13 @@ class DCA(Method):
             chunk, local = own.get("chunk_size"), own.get("local_size")
             c_orig = own.get("original_max_position_embeddings") or 0
             trained = c_orig or config.max_position_embeddings
-            ignored = [k for k in ("chunk_size", "local_size", "original_max_position_embeddings", "temperature",
+            ignored = [k for k in ("chunk_size", "local_size", "trained_context", "temperature",
                                    "max_position_embeddings") if getattr(dca, k) is not None]
             if ignored:
                 logger.warning(f"{base_dir / 'config.json'} has its own dual_chunk_attention_config, used verbatim: "
                                + ", ".join(recipe.where("dca", k) for k in ignored) + " not applied")
         else:  # the spec's default: ChunkLlama's C = 3c/4, w = c/8, no temperature
-            trained = dca.original_max_position_embeddings or config.max_position_embeddings
+            trained = dca.trained_context or config.max_position_embeddings
             default_chunk, default_local = default_sizes(trained)
             chunk = dca.chunk_size or default_chunk
             local = dca.local_size if dca.local_size is not None else default_local
@@ -112,7 +121,7 @@ class DCA(Method):
             key = "chunk_size" if "exceeds" in str(exc) else "local_size"
             where = f"{base_dir / 'config.json'}: dual_chunk_attention_config" if own else recipe.where("dca", key)
             raise CCAError(f"{where}: {exc} (c = {trained}: the base's max_position_embeddings, or "
-                           "dca.original_max_position_embeddings)") from None
+                           "dca.trained_context)") from None
         config.dual_chunk_attention_config = {**own, "chunk_size": chunk, "local_size": local,
                                               "original_max_position_embeddings": c_orig}
         config.dca_attn_backend = dca.attn_backend
