@@ -1,6 +1,9 @@
-"""Property-based fuzz of recipe parsing and `--set`: random YAML and values give a recipe or one clear CCAError,
-never another exception."""
+"""Recipes: every shipped YAML loads; property-based fuzz of parsing and `--set` (random YAML and values give a recipe
+or one clear CCAError, never another exception)."""
 
+from pathlib import Path
+
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,3 +47,19 @@ def test_fuzzed_recipe_text_gives_a_clear_error_or_a_recipe(text, tmp_path_facto
         parse_overrides([text])
     except CCAError:
         pass
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path):
+    """Configs are code: each YAML in recipes/ validates as shipped (CCA and DCA alike)."""
+    recipe, _ = load_recipe(path)
+    assert recipe.method in ("cca", "dca") and recipe.validate.context_lengths
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_each_familys_dca_default_loads(family):
+    from cca_convert.families import FAMILIES
+
+    recipe, path = load_recipe(None, ["method=dca"], family=family)
+    assert path.name == FAMILIES[family].dca_recipe and recipe.method == "dca" and not recipe.finetune.enabled
