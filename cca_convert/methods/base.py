@@ -4,13 +4,14 @@ about one. A method is one module in this package holding one ``Method`` subclas
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from ..errors import CCAError
 from ..schema import Section
 
 
-class Method:
+class Method(ABC):
     name: str  # the recipe's `method:` value, its section's key and the model's config prefix (``<name>_*``)
     label: str  # in reports and logs: "CCA"
     title: str  # "Core Context Aware attention"
@@ -19,7 +20,7 @@ class Method:
     what: str  # the rest of the exported modeling file's one-line docstring
     section: type[Section]  # the recipe section ``<name>:``
     tags: tuple[str, ...] = ()  # model card tags
-    training_free: bool = False  # True: a recipe that enables the finetune is refused
+    training_free: str = ""  # why a finetune cannot run with it (a recipe enabling one is refused); "": it can
     base_note: str = ""  # how the base is run in the validation, e.g. "(the same weights with attn_backend=full)"
     gpu_speed_note: str = ""  # quoted under a report's CPU speed rows (where the reference implementation runs)
 
@@ -37,14 +38,14 @@ class Method:
 
     def check_recipe(self, recipe) -> None:
         if self.training_free and recipe.finetune.enabled:
-            raise CCAError(f"{recipe.where('finetune', 'enabled')}: method {self.name} is training-free (its Triton "
-                           "kernel has no backward): set finetune.enabled: false, or use method: cca to adapt a model "
+            raise CCAError(f"{recipe.where('finetune', 'enabled')}: method {self.name} is training-free "
+                           f"({self.training_free}): set finetune.enabled: false, or use method: cca to adapt a model "
                            "with a finetune")
 
     # -- converting -------------------------------------------------------------------------------------------------
+    @abstractmethod
     def build_config(self, base_dir: Path, family, config, recipe) -> None:
         """Turn the base's config (a transformers config, changed in place) into this method's."""
-        raise NotImplementedError
 
     def trained_context(self, config) -> int | None:
         """c, the context relative validation lengths ("2c") count in; None: the base's max_position_embeddings."""
@@ -73,9 +74,9 @@ class Method:
         return backend == "reference" or (backend == "auto" and not str(device).startswith("cuda"))
 
     # -- an exported model ------------------------------------------------------------------------------------------
+    @abstractmethod
     def detects(self, config: dict) -> bool:
         """Whether a config.json (as a dict) is this method's export."""
-        raise NotImplementedError
 
     def backend(self, config) -> str:
         """The attention backend a converted config asks for."""
@@ -85,9 +86,9 @@ class Method:
         """``(field, value)`` of a converted config that makes the model run as its base (same weights)."""
         return f"{self.name}_attn_backend", "full"
 
+    @abstractmethod
     def mixin(self) -> type:
         """The class ``mixin_name`` of the published module (imported only when a model is built)."""
-        raise NotImplementedError
 
     def module_file(self) -> Path:
         """The published module's source: the export ships it and every published file it imports."""
@@ -104,9 +105,9 @@ class Method:
         """One line of the settings in a report's ``model`` entry."""
         return self.label
 
+    @abstractmethod
     def card_body(self, config, family, finetuned: bool, **fields) -> str:
         """The model card's body. ``fields``: name, base, repo, extra, recipe, local_note."""
-        raise NotImplementedError
 
 
 def base_context(job) -> int | None:

@@ -80,7 +80,7 @@ class DCA(Method):
             "stock model)")
     section = DCASection
     tags = ("dca", "dual-chunk-attention")
-    training_free = True
+    training_free = "its Triton kernel has no backward"
     base_note = "(the same weights with plain RoPE positions, attn_implementation=sdpa)"
 
     def mixin(self) -> type:

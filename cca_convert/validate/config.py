@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import re
-import warnings
 
 from pydantic import Field, field_validator
 
 from ..data import TextSource
 from ..schema import Section
-
-# The recipe key is ``validate:``; as a pydantic field it shadows the deprecated ``BaseModel.validate`` classmethod,
-# which nothing here uses (``Recipe.model_validate`` is the v2 name). recipe.py imports this module first.
-warnings.filterwarnings("ignore", message='Field name "validate" in "Recipe" shadows', category=UserWarning)
-
 
 class HeldoutData(TextSource):
     """Held-out text: the same schema and loader as ``finetune.data`` (``cca_convert.data``): local files

@@ -53,7 +53,7 @@ class Toy(methods.Method):
     what = "whose attention logits are scaled by toy_scale (toy_hf.py)"
     section = ToySection
     tags = ("toy-attention",)
-    training_free = True
+    training_free = "no training path for a toy"
     base_note = "(the same weights with attn_implementation=sdpa)"
 
     def __init__(self, folder):
