@@ -50,9 +50,10 @@ def run(command: list[str]) -> int:
     def forward(signum, frame):
         received.append(signum)
         if len(received) == 1:
-            ranks = children(proc.pid)
-            print(f"\n{signal.Signals(signum).name}: each of the {len(ranks)} ranks stops after this optimizer step and "
-                  "writes a checkpoint (send it again to kill the launch without one)", file=sys.stderr, flush=True)
+            ranks = children(proc.pid)  # none readable (no /proc): the launcher forwards the signal itself
+            print(f"\n{signal.Signals(signum).name}: each of the {len(ranks) or 'launched'} ranks stops after this "
+                  "optimizer step and writes a checkpoint (send it again to kill the launch without one)",
+                  file=sys.stderr, flush=True)
             for pid in ranks or [proc.pid]:
                 try:
                     os.kill(pid, signal.SIGTERM)

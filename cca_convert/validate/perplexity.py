@@ -28,10 +28,14 @@ def attention_backend(model, backend: str | None):
     model's attention with the same weights, as the method says how). ``None`` leaves the model as it is."""
     swap = {}
     if backend is not None:
-        for module in model.modules():
+        seen = set()
+        for module in model.modules():  # the modules share one config object (Gemma 3: one per text model)
             config = getattr(module, "config", None)
-            method = methods.of_config(config) if config is not None else None
-            if method is not None and id(config) not in swap:
+            if config is None or id(config) in seen:
+                continue
+            seen.add(id(config))
+            method = methods.of_config(config)
+            if method is not None:
                 field, value = method.run_as_base(config) if backend == "full" else (f"{method.name}_attn_backend",
                                                                                      backend)
                 swap[id(config)] = (config, field, value)
