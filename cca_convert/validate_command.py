@@ -109,6 +109,9 @@ def update_card(readme: Path, report: dict) -> None:
 
 
 def run_validate(argv: list[str]) -> int:
+    from transformers import AutoConfig
+
+    from .export import weight_shapes
     from .hub import resolve_source
 
     args = validate_parser().parse_args(argv)
@@ -117,7 +120,7 @@ def run_validate(argv: list[str]) -> int:
     repo_id = None if local.is_dir() else args.target
     folder = resolve_source(args.target, args.revision)
     if not (folder / "config.json").is_file():
-        raise CCAError(f"{args.target} has no config.json: pass an exported CCA folder")
+        raise CCAError(f"{args.target} has no config.json: pass a folder or repo exported by cca-convert")
     raw = json.loads((folder / "config.json").read_text())
     method = methods.of_config(raw)
     if method is None:
@@ -125,13 +128,9 @@ def run_validate(argv: list[str]) -> int:
                        f"the settings of none of its methods: {', '.join(methods.METHODS)}): convert it first. An "
                        "export of the first releases (model_type cca) loads with the code it ships, "
                        "trust_remote_code=True; to validate it, convert its base again")
-    from .export import weight_shapes
-
     weight_shapes(folder)  # a truncated or corrupt shard is named first, before any setting or text is read
     output = args.output or (local if repo_id is None else Path(f"{args.target.split('/')[-1]}-validation"))
     recipe = _recipe_for(folder, args, repo_id)
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder)
     context = config.max_position_embeddings
     section = recipe.validate.resolved(method.trained_context(config) or context)
