@@ -221,6 +221,9 @@ def test_every_benchmark_is_registered_and_the_results_index_is_current():
     assert set(re.findall(r"benchmarks/(\w+\.py)", (REPO / "README.md").read_text())) <= registered | HELPERS
     assert (REPO / "benchmarks/results/INDEX.md").read_text() == index_text(), "run: python benchmarks/run.py --index"
     assert not list((REPO / "benchmarks/results").rglob("test-*.txt")), "pytest logs go to docs/test-runs/"
+    for bench in BENCHMARKS.values():  # "how it is verified" names tests and scripts that exist
+        for path in re.findall(r"(?:tests|benchmarks)/[\w/]+\.py", bench.verify):
+            assert (REPO / path).is_file(), f"{bench.name}: {path}"
 
 
 def test_the_runner_keeps_a_record_of_a_benchmark_run(tmp_path, monkeypatch):
