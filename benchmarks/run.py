@@ -65,6 +65,8 @@ def run(name: str, args: list[str]) -> int:
     bench = BENCHMARKS[name]
     argv = args if args else shlex.split(bench.command)
     command = ["python", f"benchmarks/{bench.script}", *argv]
+    # The tree as the benchmark ran it (the script may write results into it); paths, so a reader can judge them.
+    changed = [line[3:] for line in _git("status", "--porcelain").splitlines()]
     started = datetime.datetime.now(datetime.timezone.utc)
     proc = subprocess.Popen([sys.executable, str(HERE / bench.script), *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -76,7 +78,7 @@ def run(name: str, args: list[str]) -> int:
     gpu = _gpu()
     record = {
         "benchmark": name, "measures": bench.measures, "command": shlex.join(command),
-        "commit": _git("rev-parse", "--short", "HEAD") or None, "uncommitted_changes": bool(_git("status", "--porcelain")),
+        "commit": _git("rev-parse", "--short", "HEAD") or None, "uncommitted_changes": changed[:20],
         "date": started.isoformat(timespec="seconds"),
         "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
         "versions": {p: _version(p) for p in ("torch", "transformers", "triton", "accelerate", "peft")},
