@@ -14,11 +14,14 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str,
              trained_context: int | None = None) -> list[dict]:
     """One entry per gate and length: ``passed`` True/False (None: not measured at that length, e.g. a
     passkey prompt that does not fit), ``margin`` >= 0 when passed, < 0 = by how much it failed.
-    ``max_ppl_growth`` compares each length with the longest validated length <= ``trained_context``."""
+    ``max_ppl_growth`` compares each length with the longest validated length <= ``trained_context``;
+    ``min_passkey_accuracy`` is capped at the base's accuracy at that length: a conversion is judged on keeping what
+    its base retrieves, not on retrieval the base never had (0 there: the gate does not apply)."""
     out = []
     base, cca = results.get("base", {}), results.get(final, {})
     ref_len = max((n for n in section.context_lengths if trained_context and n <= trained_context), default=None)
     ref_ppl = cca.get("perplexity", {}).get(str(ref_len)) if ref_len else None
+    ref_pk = (base.get("passkey", {}).get(str(ref_len)) or {}).get("accuracy") if ref_len else None
     for length in section.context_lengths:
         key = str(length)
         b_ppl, c_ppl = base.get("perplexity", {}).get(key), cca.get("perplexity", {}).get(key)
@@ -51,8 +54,14 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str,
         c_pk = (cca.get("passkey", {}).get(key) or {}).get("accuracy")
         if section.min_passkey_accuracy is not None:
             t = section.min_passkey_accuracy
+            if ref_pk is not None and ref_pk < t:  # the bar is the base's own within its trained context
+                t = ref_pk
             if c_pk is None:
                 out.append(_gate("min_passkey_accuracy", length, None, t, None, None, "not measured"))
+            elif t <= 0:
+                out.append(_gate("min_passkey_accuracy", length, c_pk, t, None, None,
+                                 f"not applicable: the base retrieves no passkey at {ref_len} (within its trained "
+                                 f"context), so no method on it is held to one"))
             else:
                 ok = c_pk >= t
                 out.append(_gate("min_passkey_accuracy", length, c_pk, t, ok, c_pk - t,

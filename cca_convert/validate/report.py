@@ -183,6 +183,8 @@ def gates_table(report: dict) -> str:
     lines = ["| gate | context | value | threshold | result |", "| --- | --- | --- | --- | --- |"]
     for g in report["gates"]:
         result = {True: "pass", False: f"**FAIL** ({g['detail']})", None: "not measured"}[g["passed"]]
+        if g["passed"] is None and g["detail"].startswith("not applicable"):
+            result = g["detail"]
         lines.append(f"| {g['gate']} | {g['length']} | {_fmt(g['value'])} | {g['threshold']:g} | {result} |")
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from cca_convert.validate.config import HeldoutData, ValidateSection
 from cca_convert.validate.data import check_no_overlap, token_stream
 from cca_convert.validate.passkey import make_trials, passkey_accuracy
 from cca_convert.validate.perplexity import attention_backend, perplexity, select_windows
+from cca_convert.validate.report import gates_table
 from tests.support.factories import (
     cca_hf_model_from,
     cca_model_from,
@@ -160,6 +161,29 @@ def test_gates_pass_fail_and_margins():
     assert bad[0]["margin"] == pytest.approx(-0.1)
     off = ValidateSection(context_lengths=[512], max_ppl_ratio=None)
     assert gates.evaluate(off, _results(10.0, 99.0, 1.0, 0.0), "cca", "CCA") == []
+
+
+def test_min_passkey_accuracy_is_capped_at_what_the_base_retrieves_within_its_trained_context():
+    section = ValidateSection(context_lengths=[512, 1024, 2048], max_ppl_ratio=None, min_passkey_accuracy=0.6)
+
+    def results(base_pk_at_c, converted):
+        base = {"passkey": {"512": {"accuracy": base_pk_at_c}, "1024": {"accuracy": 0.0}, "2048": {"accuracy": 0.0}}}
+        return {"base": base, "dca": {"passkey": {k: {"accuracy": v} for k, v in converted.items()}}}
+
+    # The base retrieves nothing at its trained context 512: the gate does not apply, and says why.
+    none = gates.evaluate(section, results(0.0, {"512": 0.0, "1024": 0.0, "2048": 0.0}), "dca", "DCA", 512)
+    assert [g["passed"] for g in none] == [None, None, None] and not gates.failed(none)
+    assert none[0]["detail"].startswith("not applicable: the base retrieves no passkey at 512")
+    assert "not applicable" in gates_table({"gates": none})
+    # The base retrieves 1/3 there: the bar is 1/3 (not 0.6), and a drop below it fails.
+    third = gates.evaluate(section, results(1 / 3, {"512": 1 / 3, "1024": 1 / 3, "2048": 0.0}), "dca", "DCA", 512)
+    assert [g["passed"] for g in third] == [True, True, False]
+    assert third[2]["threshold"] == pytest.approx(1 / 3)
+    # A base that retrieves everything keeps the recipe's 0.6; no trained context known: the recipe's bar.
+    full = gates.evaluate(section, results(1.0, {"512": 1.0, "1024": 0.6, "2048": 0.5}), "dca", "DCA", 512)
+    assert [g["passed"] for g in full] == [True, True, False] and full[2]["threshold"] == 0.6
+    plain = gates.evaluate(section, results(0.0, {"512": 0.0, "1024": 0.0, "2048": 0.0}), "dca", "DCA")
+    assert [g["passed"] for g in plain] == [False, False, False]
 
 
 def test_heldout_must_not_overlap_finetune_data(tmp_path, texts):
