@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from . import methods
+from . import extend, methods
 from .errors import CCAError
 from .families import config_problems, family_of
 from .recipe import Recipe
@@ -49,7 +49,9 @@ def build_config(base_dir: Path, recipe: Recipe):
     config; its class goes into ``architectures`` and ``auto_map``."""
     method = methods.get(recipe.method)
     family, config = _base_config(base_dir)
+    trained = config.max_position_embeddings  # the base's, before the method's settings
     method.build_config(base_dir, family, config, recipe)
+    extend.apply(config, recipe, method, method.trained_context(config) or trained)
     if recipe.export.dtype != "auto":
         config.dtype = recipe.export.dtype
     cls, module = family.class_name(method.name), family.module_name(method.name)

@@ -8,6 +8,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from . import methods
+from .extend import card_line
 from .families import FAMILIES
 from .hub import is_hub_id
 from .recipe import Recipe
@@ -53,6 +54,9 @@ def build_model_card(
         tags=[*method.tags, "long-context", "custom_code", config.model_type],
         **(card_data or {}),
     )
+    extended = card_line(config)
+    if extended:
+        extra = f"**Context**: {extended}.\n\n{extra}"
     body = method.card_body(
         config, FAMILIES[config.model_type], finetuned, name=repo_name, base=base_model, repo=repo_name, extra=extra,
         recipe=recipe.to_yaml(), local_note="" if is_hub_id(repo_name) else LOCAL_NOTE)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import export, methods, roundtrip
+from . import export, extend, methods, roundtrip
 from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
@@ -104,6 +104,7 @@ def stage_convert(job: Job) -> None:
     job.relative_lengths = {relative_length(n, trained) for n in job.recipe.validate.context_lengths
                             if isinstance(n, str)}  # the preflight may leave out those a device cannot afford
     job.recipe = job.recipe.model_copy(update={"validate": job.recipe.validate.resolved(trained)})
+    job.recipe = extend.follow(job.recipe, trained, job.log)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
             f"heads, head_dim {head_dim}; {job.method.describe(c)}")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_mode
 
 from . import methods
 from .errors import CCAError
+from .extend import ExtendSection
 from .finetune.config import FinetuneSection
 from .schema import Section
 from .validate.config import ValidateSection
@@ -40,7 +41,7 @@ class ExportSection(Section):
 
 
 class RecipeBase(Section):
-    """A recipe: ``method``, each known method's section (``methods.METHODS``), finetune, export, validate. The class
+    """A recipe: ``method``, each known method's section (``methods.METHODS``), extend, finetune, export, validate. The class
     is built per set of known methods (``recipe_model``)."""
 
     _origins: dict = PrivateAttr(default_factory=dict)  # dotted key -> "file:line" or "--set k=v"
@@ -69,8 +70,8 @@ def _model_for(names: tuple[str, ...]) -> type[RecipeBase]:
         f"{n}: {m.title}" + (" (training-free)" if m.training_free else " (finetune to adapt)")
         for n, m in methods.METHODS.items())))}
     fields.update({n: (m.section, m.section()) for n, m in methods.METHODS.items()})
-    fields.update(finetune=(FinetuneSection, FinetuneSection()), export=(ExportSection, ExportSection()),
-                  validate=(ValidateSection, ValidateSection()))
+    fields.update(extend=(ExtendSection, ExtendSection()), finetune=(FinetuneSection, FinetuneSection()),
+                  export=(ExportSection, ExportSection()), validate=(ValidateSection, ValidateSection()))
     with warnings.catch_warnings():  # the `validate:` section shadows pydantic's deprecated BaseModel.validate
         warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
         return create_model("Recipe", __base__=RecipeBase, **fields)
