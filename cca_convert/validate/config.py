@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
 from ..data import TextSource
 from ..schema import Section
+from .tasks import TASKS
 
 class HeldoutData(TextSource):
     """Held-out text: the same schema and loader as ``finetune.data`` (``cca_convert.data``): local files
@@ -35,6 +37,10 @@ class ValidateSection(Section):
                                         description="where the pass key sits in the filler (0 = start, 1 = end)")
     passkey_trials: int = Field(1, ge=0, le=10_000, description="random keys per depth and length (0: no passkey check)")
     passkey_digits: int = Field(5, ge=1, le=12)
+    tasks: list[Literal[TASKS]] = Field(default_factory=list, description="RULER-style tasks scored by greedy decoding "
+                                        "at every length, base and converted: " + ", ".join(TASKS))
+    task_samples: int = Field(4, ge=1, le=10_000, description="prompts per task and length (the needle tasks: at "
+                                                              "evenly spread depths)")
     speed: bool = Field(True, description="time one prefill and its peak memory, base vs CCA, at each length")
     speed_repeats: int = Field(1, ge=1, description="timed prefills per length and model (after one warm-up)")
     seed: int = 0
@@ -45,6 +51,8 @@ class ValidateSection(Section):
     min_passkey_accuracy: float | None = Field(None, ge=0, le=1, description="CCA passkey accuracy, at every length")
     max_passkey_drop: float | None = Field(None, ge=0, le=1,
                                            description="base accuracy - CCA accuracy, at every length")
+    max_task_drop: float | None = Field(None, ge=0, le=1, description="base score - converted score, per task and "
+                                                                        "length")
 
     @field_validator("context_lengths")
     @classmethod

@@ -77,6 +77,21 @@ def evaluate(section: ValidateSection, results: dict, final: str, method: str,
                 out.append(_gate("max_passkey_drop", length, drop, t, ok, t - drop,
                                  f"passkey accuracy base {b_pk:.2f} - {method} {c_pk:.2f} = {drop:.2f} "
                                  f"{'<=' if ok else '>'} {t:g}" + ("" if ok else f" (over by {drop - t:.2f})")))
+    if section.max_task_drop is not None:
+        t = section.max_task_drop
+        for task in section.tasks:
+            for length in section.context_lengths:
+                b = ((base.get("tasks") or {}).get(task, {}).get(str(length)) or {}).get("accuracy")
+                c = ((cca.get("tasks") or {}).get(task, {}).get(str(length)) or {}).get("accuracy")
+                if b is None or c is None:
+                    out.append({**_gate("max_task_drop", length, None, t, None, None, f"{task}: not measured"),
+                                "task": task})
+                    continue
+                drop = b - c
+                ok = drop <= t + 1e-9
+                out.append({**_gate("max_task_drop", length, drop, t, ok, t - drop,
+                                    f"{task}: base {b:.2f} - {method} {c:.2f} = {drop:.2f} {'<=' if ok else '>'} {t:g}"
+                                    + ("" if ok else f" (over by {drop - t:.2f})")), "task": task})
     return out
 
 

@@ -90,6 +90,9 @@ def build(section, results: dict, speed: dict, gates: list[dict], *, final: str,
             "passkey": "prompt of exactly L tokens (filler with 'The pass key is N. Remember it.' at each depth, "
                        "then 'What is the pass key? The pass key is'); correct = greedy decoding reproduces all "
                        "answer tokens (teacher-forced argmax)",
+            "tasks": (f"RULER-style {', '.join(section.tasks)}, {section.task_samples} prompts per task and length "
+                      "(held-out text as haystack), scored by greedy decoding: the fraction of the reference answers in "
+                      "the output (RULER's string_match_all)") if section.tasks else None,
             "speed": "one forward over L tokens (no KV cache, last-token logits), median of repeats after a "
                      "warm-up; peak memory above what was allocated before",
             "windows": section.windows, "stride": section.stride, "batch_size": section.batch_size,
@@ -151,6 +154,28 @@ def passkey_table(report: dict) -> str | None:
     return "\n".join(lines)
 
 
+def _tasks(report: dict) -> list[str]:
+    return list(report.get("validate_recipe", {}).get("tasks") or [])
+
+
+def tasks_table(report: dict) -> str | None:
+    """Task x length, base beside the final model (RULER's string_match_all, mean over the samples)."""
+    tasks, final = _tasks(report), report["final_model"]
+    models = [m for m in ("base", final) if report["results"].get(m, {}).get("tasks")]
+    if not tasks or not models:
+        return None
+    lengths = report["context_lengths"]
+    lines = ["| task | " + " | ".join(f"{n}: {' / '.join(label(report, m) for m in models)}" for n in lengths) + " |",
+             "|" + " --- |" * (len(lengths) + 1)]
+    for task in tasks:
+        cells = []
+        for n in lengths:
+            scores = [(report["results"][m]["tasks"].get(task, {}).get(str(n)) or {}).get("accuracy") for m in models]
+            cells.append(" / ".join("n/a" if a is None else f"{a:.2f}" for a in scores))
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def speed_table(report: dict) -> str | None:
     if not report["speed"]:
         return None
@@ -185,7 +210,8 @@ def gates_table(report: dict) -> str:
         result = {True: "pass", False: f"**FAIL** ({g['detail']})", None: "not measured"}[g["passed"]]
         if g["passed"] is None and g["detail"].startswith("not applicable"):
             result = g["detail"]
-        lines.append(f"| {g['gate']} | {g['length']} | {_fmt(g['value'])} | {g['threshold']:g} | {result} |")
+        name = f"{g['gate']} ({g['task']})" if g.get("task") else g["gate"]
+        lines.append(f"| {name} | {g['length']} | {_fmt(g['value'])} | {g['threshold']:g} | {result} |")
     return "\n".join(lines)
 
 
@@ -202,6 +228,10 @@ def _sections(report: dict, plot: str) -> list[str]:
     out = [f"### Perplexity on held-out text\n\n{ppl_table(report)}\n\n![perplexity vs context length]({plot})"]
     if (pk := passkey_table(report)) is not None:
         out.append(f"### Passkey retrieval (accuracy)\n\n{pk}")
+    if (tt := tasks_table(report)) is not None:
+        heat = plot.replace("ppl.png", "tasks.png")
+        out.append(f"### Long-context tasks (RULER-style; score = fraction of the answers generated, greedy)\n\n{tt}"
+                   + (f"\n\n![needle depth x context length]({heat})" if _needle_tasks(report) else ""))
     if (sp := speed_table(report)) is not None:
         out.append(f"### Prefill on {report['hardware'].get('gpu') or report['hardware']['device']}\n\n{sp}"
                    + ("" if report["hardware"].get("gpu") else f"\n\n{_cpu_note(report)}"))
@@ -225,6 +255,7 @@ def markdown(report: dict) -> str:
         f"- held-out data: {d['source']} ({d['tokens']:,} tokens{'; ' + d['overlap'] if d.get('overlap') else ''})",
         f"- perplexity: {report['method']['perplexity']}",
         f"- passkey: {report['method']['passkey']}",
+        *([f"- tasks: {report['method']['tasks']}"] if report["method"].get("tasks") else []),
         f"- speed: {report['method']['speed']}",
         f"- hardware: {hw.get('gpu') or hw['device']} ({hw['cpu_count']} CPUs, {hw['platform']})",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
@@ -259,6 +290,11 @@ def eval_results(report: dict):
         if ppl:
             out.append(EvalResult(**common, metric_type="perplexity", metric_name=f"Perplexity @ {length} tokens",
                                   metric_value=round(ppl["ppl"], 4), metric_config=str(length)))
+        for task, by_length in (report["results"][final].get("tasks") or {}).items():
+            r = by_length.get(str(length)) or {}
+            if r.get("accuracy") is not None:
+                out.append(EvalResult(**common, metric_type="accuracy", metric_name=f"{task} @ {length} tokens",
+                                      metric_value=round(r["accuracy"], 4), metric_config=f"{task}-{length}"))
         pk = report["results"][final].get("passkey", {}).get(str(length))
         if pk and pk["accuracy"] is not None:
             out.append(EvalResult(**common, metric_type="accuracy", metric_name=f"Passkey retrieval @ {length} tokens",
@@ -313,6 +349,45 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _needle_tasks(report: dict) -> list[str]:
+    from .tasks import NEEDLE_TASKS
+
+    return [t for t in _tasks(report) if t in NEEDLE_TASKS]
+
+
+def plot_tasks(report: dict, path: Path) -> None:
+    """Depth x length heatmaps of the needle tasks, base beside the final model (one row per task)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    tasks, lengths = _needle_tasks(report), report["context_lengths"]
+    models = [m for m in ("base", report["final_model"]) if report["results"].get(m, {}).get("tasks")]
+    fig, axes = plt.subplots(len(tasks), len(models), figsize=(2.2 + 1.1 * len(lengths) * len(models),
+                                                               0.8 + 2.4 * len(tasks)), squeeze=False)
+    for i, task in enumerate(tasks):
+        depths = sorted({float(d) for m in models for n in lengths
+                         for d in (report["results"][m]["tasks"].get(task, {}).get(str(n)) or {}).get("by_depth", {})})
+        for j, m in enumerate(models):
+            ax = axes[i, j]
+            grid = [[(report["results"][m]["tasks"].get(task, {}).get(str(n)) or {}).get("by_depth", {})
+                     .get(f"{d:g}", float("nan")) for n in lengths] for d in depths]
+            ax.imshow(grid or [[float("nan")] * len(lengths)], vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for r, row in enumerate(grid):
+                for col, v in enumerate(row):
+                    if v == v:
+                        ax.text(col, r, f"{v:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"{task}: {label(report, m)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(report: dict, folder: Path, subdir: str = "validation") -> Path:
     """Write ``folder/<subdir>/{report.json, report.md, ppl.png}``; return that folder."""
     out = Path(folder) / subdir
@@ -323,6 +398,8 @@ def write(report: dict, folder: Path, subdir: str = "validation") -> Path:
     (out / "report.json").write_text(portable_text(json.dumps(report, indent=2, sort_keys=False)) + "\n")
     (out / "report.md").write_text(portable_text(markdown(report)))
     plot(report, out / "ppl.png")
+    if tasks_table(report) is not None and _needle_tasks(report):
+        plot_tasks(report, out / "tasks.png")
     return out
 
 

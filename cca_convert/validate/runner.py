@@ -20,6 +20,8 @@ from . import report as report_mod
 from .config import ValidateSection
 from .data import check_no_overlap, load_texts, token_stream
 from .passkey import make_trials, passkey_accuracy
+from .tasks import make_samples
+from .tasks import score as task_score
 from .perplexity import attention_backend, perplexity
 from .speed import prefill
 
@@ -53,6 +55,7 @@ class Suite:
     log: Callable[[str], None] = print
     stream: torch.Tensor = field(init=False)
     trials: dict = field(init=False)
+    samples: dict = field(init=False)  # (task, length) -> tasks.Sample list
     data_info: dict = field(init=False)
 
     def __post_init__(self):
@@ -68,6 +71,8 @@ class Suite:
             select_windows(self.stream.numel(), length, s.windows, s.stride)
         self.trials = {n: make_trials(self.tokenizer, n, s.passkey_depths, s.passkey_trials, s.passkey_digits, s.seed)
                        for n in s.context_lengths} if s.passkey_trials else {}
+        self.samples = {(t, n): make_samples(t, self.tokenizer, n, self.stream, s.task_samples, s.seed)
+                        for t in s.tasks for n in s.context_lengths}
         self.data_info = {
             "source": s.data.describe(), "files": list(s.data.files or []),
             "hub_id": None if s.data.files else s.data.dataset, "config": s.data.config,
@@ -75,7 +80,9 @@ class Suite:
             "tokens": int(self.stream.numel()), "documents": len(texts), "overlap": "; ".join(notes),
         }
 
-    def measure(self, model, backend: str | None, label: str) -> dict:
+    def measure(self, model, backend: str | None, label: str, tasks: bool = True) -> dict:
+        """Perplexity and passkey at every length; the tasks too unless ``tasks`` is False (the converted model
+        before its finetune: the report compares the base with the final model)."""
         s = self.section
         out: dict = {"perplexity": {}, "passkey": {}}
         start = time.perf_counter()
@@ -101,7 +108,27 @@ class Suite:
                     out["passkey"][str(length)] = {"accuracy": None, "correct": 0, "trials": 0, "by_depth": {},
                                                    "note": "the passkey prompt does not fit in this length"}
                 self.log(msg)
+            if tasks and s.tasks:
+                out["tasks"] = self.run_tasks(model, label)
         out["seconds"] = time.perf_counter() - start
+        return out
+
+    def run_tasks(self, model, label: str) -> dict:
+        """The RULER-style tasks at every length (under the caller's attention backend): task -> length -> score."""
+        out: dict = {}
+        for length in self.section.context_lengths:
+            cells = []
+            for task in self.section.tasks:
+                samples = self.samples[(task, length)]
+                if not samples:
+                    out.setdefault(task, {})[str(length)] = {"accuracy": None, "samples": 0, "by_depth": {},
+                                                             "note": "the task's prompt does not fit in this length"}
+                    cells.append(f"{task} n/a")
+                    continue
+                result = task_score(model, self.tokenizer, samples)
+                out.setdefault(task, {})[str(length)] = result
+                cells.append(f"{task} {result['accuracy']:.2f}")
+            self.log(f"    {label:<20} @ {length:>6}: " + ", ".join(cells))
         return out
 
     def speed(self, base_model, base_backend, model, backend, method) -> dict:
@@ -182,7 +209,8 @@ def stage_baseline(job) -> None:
             return
     state.results["base"] = state.suite.measure(job.model, "full", "base")
     state.results[f"{job.method.name}_before"] = state.suite.measure(job.model, None,
-                                                                     f"{job.method.label} before finetune")
+                                                                     f"{job.method.label} before finetune",
+                                                                     tasks=not job.recipe.finetune.enabled)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"key": _baseline_key(job), "results": state.results}))
 
@@ -202,6 +230,9 @@ def stage_validate(job) -> None:
     elif before in results:  # the finetune stage ran but changed nothing
         final = method.name
         results[final] = results.pop(before)
+        if section.tasks and "tasks" not in results[final]:
+            with attention_backend(job.model, None):
+                results[final]["tasks"] = state.suite.run_tasks(job.model, name)
     else:
         final = method.name
         results[final] = state.suite.measure(job.model, None, name)
