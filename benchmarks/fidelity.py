@@ -13,6 +13,7 @@ issue: after <= before and after <= 1.05 x base at every length.
     python benchmarks/fidelity.py                 # 2 settings x {lora, qkv, full}; writes benchmarks/results/
     python benchmarks/fidelity.py --quick         # one row (g=16, s=256, LoRA, 40 steps): part of make test-gpu
     python benchmarks/fidelity.py --dca           # the same base with DCA (training-free) from c to 8c
+    python benchmarks/fidelity.py --extend 4      # CCA extended x4 vs full attention extended the same way
 
 The ``--dca`` row bar (issue #13): DCA's ppl stays within 1.2x of its ppl at c = 2048 up to 8c, while the base's
 (plain RoPE, same weights) grows by more than 3x. The KJV books alone are memorised before the base breaks down past c
@@ -140,6 +141,59 @@ def dca_row(base: Path, out: Path, passkey: bool, speed: bool = True,
     return "\n".join(lines), ok, {"ppl": ppl, "passkey": pk, "trained_context": c, "speed": speed}
 
 
+EXTEND_TASKS = "[niah_single, variable_tracking, common_words]"
+EXTEND_BAR = 1.02
+
+
+def extend_rows(base: Path, work: Path, factor: int, method: str, steps: int | None) -> tuple[str, bool, dict]:
+    """CCA extended x factor against the full-attention model extended the same way: the same recipe, RoPE
+    stretch, finetune (steps, data, LR, seq_len = factor x c) and validation; only the attention differs."""
+    lengths = [2048 * 2**i for i in range(factor.bit_length()) if 2**i <= factor]
+    runs = {}
+    for name, backend in (("full", "full"), ("cca", "auto")):
+        out = work / f"extend{factor}-{name}-{method}"
+        cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(RECIPE), "--output", str(out),
+               "--overwrite", "--force", "--set", f"extend.factor={factor}", "--set", f"cca.attn_backend={backend}",
+               "--set", f"finetune.method={method}", "--set", f"finetune.learning_rate={LEARNING_RATES[method]}",
+               "--set", f"validate.context_lengths={lengths}", "--set", "validate.windows=4",
+               "--set", f"validate.tasks={EXTEND_TASKS}", "--set", "validate.task_samples=4"]
+        if steps:
+            cmd += ["--set", f"finetune.steps={steps}"]
+        shown = "cca-convert " + " ".join(cmd[3:])
+        print(f"\n$ {shown}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
+        seconds = time.perf_counter() - start
+        (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise SystemExit(f"{shown} failed:\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:]))
+        report = json.loads((out / "validation" / "report.json").read_text())
+        finetune_s = report.get("timings_s", {}).get("finetune")
+        runs[name] = {"command": shown, "seconds": round(seconds, 1), "finetune_s": finetune_s, "report": report}
+        print(f"  -> done ({seconds:.0f}s, finetune {finetune_s or 0:.0f}s)", flush=True)
+    full, cca = runs["full"]["report"], runs["cca"]["report"]
+    final = lambda r: r["results"][r["final_model"]]  # noqa: E731
+    lines = ["| length | base, stretched RoPE, no finetune | full attention extended | CCA extended | CCA / full | "
+             "tasks full / CCA |", "| --- | --- | --- | --- | --- | --- |"]
+    ok, data = True, {"factor": factor, "method": method, "runs": {k: {**v, "report": None} for k, v in runs.items()},
+                      "lengths": {}}
+    for n in lengths:
+        b = cca["results"]["base"]["perplexity"][str(n)]["ppl"]
+        f, c = final(full)["perplexity"][str(n)]["ppl"], final(cca)["perplexity"][str(n)]["ppl"]
+        tasks = {t: (final(full)["tasks"][t][str(n)]["accuracy"], final(cca)["tasks"][t][str(n)]["accuracy"])
+                 for t in final(cca).get("tasks", {})}
+        ok &= c <= EXTEND_BAR * f
+        data["lengths"][str(n)] = {"base": b, "full": f, "cca": c, "tasks": tasks}
+        cells = ", ".join(f"{t} {a if a is None else round(a, 2)} / {z if z is None else round(z, 2)}"
+                          for t, (a, z) in tasks.items())
+        lines.append(f"| {n} | {b:.3f} | {f:.3f} | {c:.3f} | {c / f:.4f} | {cells} |")
+    lines.append("")
+    lines.append(f"finetune wall time: full {runs['full']['finetune_s']:.0f}s, CCA {runs['cca']['finetune_s']:.0f}s "
+                 f"(whole runs {runs['full']['seconds']:.0f}s / {runs['cca']['seconds']:.0f}s); bar: CCA extended "
+                 f"<= {EXTEND_BAR} x full attention extended at every length")
+    return "\n".join(lines), ok, data
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| g | s | method | length | base ppl | CCA before | CCA after | after/base | after<=before |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -166,6 +220,9 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=None, help="write the table here (.md) and .json beside it")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dca", action="store_true", help="only the DCA row: base vs DCA from c to 8c")
+    ap.add_argument("--extend", type=int, default=None, metavar="N",
+                    help="only the extension rows: CCA extended xN (extend.factor) vs full attention extended the "
+                         "same way, ppl at c..Nc and the task scores (method: the first of --methods)")
     ap.add_argument("--rope-theta", type=float, default=None,
                     help="with --dca: pretrain the base with this RoPE base (default 10000; Llama 3's is 500000) in "
                          "out/fidelity-llama-theta<THETA>")
@@ -219,6 +276,19 @@ def main() -> int:
     pretrain_s = ensure_base(args.base, args.device, extra)
     summary = json.loads((args.base / "training_summary.json").read_text()) if (
         args.base / "training_summary.json").is_file() else {}
+    if args.extend:
+        method = args.methods.split(",")[0] if args.methods != "lora,qkv,full" else "qkv"
+        text, ok, data = extend_rows(args.base, args.work, args.extend, method, args.steps)
+        head = (f"Context extension x{args.extend} on held-out KJV books ({env['device']}, torch {env['torch']}, "
+                f"transformers {env['transformers']}, triton {env['triton']}); base trained at c = 2048, finetune "
+                f"{method} at {2048 * args.extend} tokens")
+        print(f"\n{head}\n\n{text}\n\n{'PASS' if ok else 'FAIL'}")
+        if args.results:
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            args.results.write_text(f"{head}\n\nCommand: `python benchmarks/fidelity.py --extend {args.extend}"
+                                    f"{f' --steps {args.steps}' if args.steps else ''}`\n\n{text}\n")
+            args.results.with_suffix(".json").write_text(json.dumps({"env": env, "base": summary, **data}, indent=1))
+        return 0 if ok else 1
     if args.dca:
         text, ok, data = dca_row(args.base, args.work / "dca", args.passkey_base, speed=not args.no_speed,
                                  trials=args.passkey_trials or PASSKEY_TRIALS)  # None: the default

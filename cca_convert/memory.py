@@ -134,9 +134,13 @@ def finetune_estimate(shape: Shape, *, method: str, seq_len: int, micro_batch: i
 
 
 def validate_estimate(shape: Shape, *, length: int, batch: int, weight_bytes: int,
-                      reference_attention: bool = False, cuda: bool = True) -> Estimate:
+                      reference_attention: bool = False, cuda: bool = True, generate: bool = False) -> Estimate:
+    """``generate``: the validation's tasks decode after a prefill of ``length`` tokens (one prompt at a time), so the
+    base's full KV cache is held too."""
     e = Estimate("validate")
     e.parts["weights"] = weight_bytes * shape.params
+    if generate:
+        e.parts[f"KV cache of {length} tokens (tasks)"] = 2 * shape.layers * shape.kv_width * length * weight_bytes
     # inference keeps no intermediates: the widest moment of one layer (MLP: gate, up, act, product in bf16; the
     # residual and one fp32 norm copy); fit: Llama-3.1-8B to 128K, Qwen3-8B, Phi-4, Qwen3-30B-A3B on an H100
     e.parts[f"one layer at {length} tokens"] = batch * length * (4 * shape.mlp_width * 2 + 2 * shape.hidden * 4)

@@ -121,7 +121,8 @@ def memory_estimates(recipe, config, dtype, device, shapes: dict) -> list:
             world=_world(), fsdp=_fsdp(), reference_attention=reference, cuda=cuda))
     if v.enabled:
         out.append(memory.validate_estimate(shape, length=max(v.context_lengths), batch=v.batch_size,
-                                            weight_bytes=dtype.itemsize, reference_attention=reference, cuda=cuda))
+                                            weight_bytes=dtype.itemsize, reference_attention=reference, cuda=cuda,
+                                            generate=bool(v.tasks)))
     return out
 
 
