@@ -168,9 +168,9 @@ def extend_rows(base: Path, work: Path, factor: int, method: str, steps: int | N
         if proc.returncode != 0:
             raise SystemExit(f"{shown} failed:\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:]))
         report = json.loads((out / "validation" / "report.json").read_text())
-        finetune_s = report.get("timings_s", {}).get("finetune")
+        finetune_s = report.get("timings_s", {}).get("finetune") or 0.0
         runs[name] = {"command": shown, "seconds": round(seconds, 1), "finetune_s": finetune_s, "report": report}
-        print(f"  -> done ({seconds:.0f}s, finetune {finetune_s or 0:.0f}s)", flush=True)
+        print(f"  -> done ({seconds:.0f}s, finetune {finetune_s:.0f}s)", flush=True)
     full, cca = runs["full"]["report"], runs["cca"]["report"]
     final = lambda r: r["results"][r["final_model"]]  # noqa: E731
     lines = ["| length | base, stretched RoPE, no finetune | full attention extended | CCA extended | CCA / full | "
@@ -180,8 +180,8 @@ def extend_rows(base: Path, work: Path, factor: int, method: str, steps: int | N
     for n in lengths:
         b = cca["results"]["base"]["perplexity"][str(n)]["ppl"]
         f, c = final(full)["perplexity"][str(n)]["ppl"], final(cca)["perplexity"][str(n)]["ppl"]
-        tasks = {t: (final(full)["tasks"][t][str(n)]["accuracy"], final(cca)["tasks"][t][str(n)]["accuracy"])
-                 for t in final(cca).get("tasks", {})}
+        tasks = {t: ((final(full).get("tasks") or {}).get(t, {}).get(str(n), {}).get("accuracy"),
+                     final(cca)["tasks"][t].get(str(n), {}).get("accuracy")) for t in final(cca).get("tasks", {})}
         ok &= c <= EXTEND_BAR * f
         data["lengths"][str(n)] = {"base": b, "full": f, "cca": c, "tasks": tasks}
         cells = ", ".join(f"{t} {a if a is None else round(a, 2)} / {z if z is None else round(z, 2)}"
