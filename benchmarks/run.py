@@ -33,7 +33,7 @@ from benchmarks.registry import BENCHMARKS  # noqa: E402
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.rstrip()
     except (OSError, subprocess.CalledProcessError):
         return ""
 
