@@ -66,12 +66,12 @@ def ensure_base(base: Path, device: str, extra: tuple[str, ...] = ()) -> float:
     return time.perf_counter() - start
 
 
-def convert(base: Path, out: Path, g: int, s: int, method: str, steps: int | None) -> dict:
+def run_cli(base: Path, out: Path, sets: list[str], steps: int | None) -> tuple[str, str, int, float]:
+    """One ``cca-convert`` run of the fidelity recipe with ``--set`` pairs: (the command shown, its log, exit, s)."""
     cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(RECIPE), "--output", str(out),
-           "--overwrite", "--force", "--set", f"cca.group_size={g}", "--set", f"cca.local_window={s}",
-           "--set", f"finetune.method={method}", "--set", f"finetune.learning_rate={LEARNING_RATES[method]}"]
-    if steps:
-        cmd += ["--set", f"finetune.steps={steps}"]
+           "--overwrite", "--force"]
+    for pair in sets + ([f"finetune.steps={steps}"] if steps else []):
+        cmd += ["--set", pair]
     shown = "cca-convert " + " ".join(cmd[3:])
     print(f"\n$ {shown}", flush=True)
     start = time.perf_counter()
@@ -79,7 +79,14 @@ def convert(base: Path, out: Path, g: int, s: int, method: str, steps: int | Non
     seconds = time.perf_counter() - start
     log = proc.stdout + proc.stderr
     (out.parent / f"{out.name}.log").write_text(log)
-    if proc.returncode != 0:
+    return shown, log, proc.returncode, seconds
+
+
+def convert(base: Path, out: Path, g: int, s: int, method: str, steps: int | None) -> dict:
+    shown, log, code, seconds = run_cli(base, out, [f"cca.group_size={g}", f"cca.local_window={s}",
+                                                    f"finetune.method={method}",
+                                                    f"finetune.learning_rate={LEARNING_RATES[method]}"], steps)
+    if code != 0:
         tail = "\n".join(log.strip().splitlines()[-5:])
         return {"g": g, "s": s, "method": method, "command": shown, "error": tail, "seconds": seconds}
     report = json.loads((out / "validation" / "report.json").read_text())
@@ -152,21 +159,12 @@ def extend_rows(base: Path, work: Path, factor: int, method: str, steps: int | N
     runs = {}
     for name, backend in (("full", "full"), ("cca", "auto")):
         out = work / f"extend{factor}-{name}-{method}"
-        cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(RECIPE), "--output", str(out),
-               "--overwrite", "--force", "--set", f"extend.factor={factor}", "--set", f"cca.attn_backend={backend}",
-               "--set", f"finetune.method={method}", "--set", f"finetune.learning_rate={LEARNING_RATES[method]}",
-               "--set", f"validate.context_lengths={lengths}", "--set", "validate.windows=4",
-               "--set", f"validate.tasks={EXTEND_TASKS}", "--set", "validate.task_samples=4"]
-        if steps:
-            cmd += ["--set", f"finetune.steps={steps}"]
-        shown = "cca-convert " + " ".join(cmd[3:])
-        print(f"\n$ {shown}", flush=True)
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
-        seconds = time.perf_counter() - start
-        (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise SystemExit(f"{shown} failed:\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:]))
+        shown, log, code, seconds = run_cli(
+            base, out, [f"extend.factor={factor}", f"cca.attn_backend={backend}", f"finetune.method={method}",
+                        f"finetune.learning_rate={LEARNING_RATES[method]}", f"validate.context_lengths={lengths}",
+                        "validate.windows=4", f"validate.tasks={EXTEND_TASKS}", "validate.task_samples=4"], steps)
+        if code != 0:
+            raise SystemExit(f"{shown} failed:\n" + "\n".join(log.strip().splitlines()[-8:]))
         report = json.loads((out / "validation" / "report.json").read_text())
         finetune_s = report.get("timings_s", {}).get("finetune") or 0.0
         runs[name] = {"command": shown, "seconds": round(seconds, 1), "finetune_s": finetune_s, "report": report}
