@@ -247,6 +247,10 @@ def stage_preflight(job) -> None:
         problems.check(fn, job)
     if not problems.errors:  # tokenizing the held-out text is the slow part: only when the rest is sound
         problems.check(check_validation_data, job)
+    if job.recipe.validate.enabled:
+        from .validate import harness
+
+        problems.errors += harness.problems(job.recipe.validate.lm_eval)
     for w in problems.warnings:
         job.log(f"  warning: {w}")
     if problems.errors:

@@ -21,11 +21,14 @@ def validate_parser():
 
     p = OneLineParser(
         prog="cca-convert validate",
-        description="Re-run the validation (perplexity, passkey, prefill speed, gates) of an exported CCA folder "
+        description="Re-run the validation (perplexity, passkey, tasks, lm-eval, prefill speed, gates) of an exported "
+                    "folder "
                     "or Hub repo. On a folder, the report goes to validation-<date>-vs-<base>/ inside it, leaving the "
                     "conversion's validation/ and model card as they were (--update-card replaces them).",
         epilog="examples:\n  cca-convert validate out/tiny-cca\n"
-               "  cca-convert validate user/llama-3.1-8b-cca --output val-8b --set validate.data.files=[book.txt]\n",
+               "  cca-convert validate user/llama-3.1-8b-cca --output val-8b --set validate.data.files=[book.txt]\n"
+               "  cca-convert validate out/tiny-cca --lm-eval heldout_rolling --set "
+               "validate.lm_eval.include_path=examples/lm_eval\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="DIR_OR_REPO", help="exported folder, or Hub repo id of an exported model")
@@ -39,6 +42,9 @@ def validate_parser():
     p.add_argument("--output", type=Path, help="where validation/ goes (default: the folder itself; for a Hub "
                                                "repo ./<name>-validation)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--lm-eval", metavar="TASKS", help="also run lm-eval-harness tasks (comma-separated names) on the "
+                                                      "base and the model (pip install \"cca-convert[eval]\"); local "
+                                                      "task YAMLs: --set validate.lm_eval.include_path=DIR")
     p.add_argument("--update-card", action="store_true",
                    help="replace the folder's validation/ report and the model card's table with this run's (by "
                         "default a re-run writes validation-<date>-vs-<base>/ beside them and changes nothing else)")
@@ -115,6 +121,9 @@ def run_validate(argv: list[str]) -> int:
     from .hub import resolve_source
 
     args = validate_parser().parse_args(argv)
+    if args.lm_eval:
+        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+        args.overrides.append(f"validate.lm_eval.tasks=[{', '.join(tasks)}]")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     local = Path(args.target).expanduser()
     repo_id = None if local.is_dir() else args.target
@@ -144,6 +153,11 @@ def run_validate(argv: list[str]) -> int:
     if base_ctx and any(n > base_ctx for n in section.context_lengths):
         print(f"warning: validate.context_lengths go past the base model's own context ({base_ctx}): its perplexity "
               "there is out of its trained range")
+    from .validate import harness
+
+    missing = harness.problems(section.lm_eval)
+    if missing:
+        raise CCAError("; ".join(missing))
     tokenizer = load_tokenizer(folder)
     suite = Suite(section, tokenizer, _finetune_dump(recipe), print)
     print(f"held-out: {suite.data_info['source']}, {suite.data_info['tokens']:,} tokens; lengths "

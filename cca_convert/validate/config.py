@@ -22,6 +22,16 @@ class HeldoutData(TextSource):
                                                               "local files, 64 of a Hub dataset)")
 
 
+class LmEvalSection(Section):
+    """lm-eval-harness tasks run on the base and the converted model (``pip install "cca-convert[eval]"``)."""
+
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task names (none: lm-eval is not run)")
+    include_path: str | None = Field(None, description="a folder of task YAMLs (local tasks, no download)")
+    limit: int | None = Field(None, ge=1, description="documents per task at most")
+    num_fewshot: int | None = Field(None, ge=0)
+    batch_size: int = Field(1, ge=1)
+
+
 class ValidateSection(Section):
     enabled: bool = True
     data: HeldoutData = HeldoutData()
@@ -41,6 +51,7 @@ class ValidateSection(Section):
                                         "at every length, base and converted: " + ", ".join(TASKS))
     task_samples: int = Field(4, ge=1, le=10_000, description="prompts per task and length (the needle tasks: at "
                                                               "evenly spread depths)")
+    lm_eval: LmEvalSection = LmEvalSection()
     speed: bool = Field(True, description="time one prefill and its peak memory, base vs CCA, at each length")
     speed_repeats: int = Field(1, ge=1, description="timed prefills per length and model (after one warm-up)")
     seed: int = 0

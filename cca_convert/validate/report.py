@@ -176,6 +176,22 @@ def tasks_table(report: dict) -> str | None:
     return "\n".join(lines)
 
 
+def lm_eval_table(report: dict) -> str | None:
+    """lm-eval-harness's metrics, base beside the final model."""
+    final = report["final_model"]
+    models = [m for m in ("base", final) if report["results"].get(m, {}).get("lm_eval")]
+    if not models:
+        return None
+    lines = ["| task | metric | " + " | ".join(label(report, m) for m in models) + " |",
+             "|" + " --- |" * (len(models) + 2)]
+    first = report["results"][models[-1]]["lm_eval"]
+    for task, metrics in first.items():
+        for metric in metrics:
+            cells = [report["results"][m]["lm_eval"].get(task, {}).get(metric) for m in models]
+            lines.append(f"| {task} | {metric} | " + " | ".join(_fmt(c, ".4f") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def speed_table(report: dict) -> str | None:
     if not report["speed"]:
         return None
@@ -232,6 +248,8 @@ def _sections(report: dict, plot: str) -> list[str]:
         heat = plot.replace("ppl.png", "tasks.png")
         out.append(f"### Long-context tasks (RULER-style; score = fraction of the answers generated, greedy)\n\n{tt}"
                    + (f"\n\n![needle depth x context length]({heat})" if _needle_tasks(report) else ""))
+    if (le := lm_eval_table(report)) is not None:
+        out.append(f"### lm-eval-harness (same weights and tokenizer, lm-eval's HFLM)\n\n{le}")
     if (sp := speed_table(report)) is not None:
         out.append(f"### Prefill on {report['hardware'].get('gpu') or report['hardware']['device']}\n\n{sp}"
                    + ("" if report["hardware"].get("gpu") else f"\n\n{_cpu_note(report)}"))

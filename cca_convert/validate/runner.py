@@ -16,6 +16,7 @@ import torch
 from .. import methods
 from ..errors import CCAError, first_line
 from . import gates as gates_mod
+from . import harness
 from . import report as report_mod
 from .config import ValidateSection
 from .data import check_no_overlap, load_texts, token_stream
@@ -110,6 +111,10 @@ class Suite:
                 self.log(msg)
             if tasks and s.tasks:
                 out["tasks"] = self.run_tasks(model, label)
+            if tasks and s.lm_eval.tasks:
+                out["lm_eval"] = harness.evaluate(model, self.tokenizer, s.lm_eval)
+                self.log(f"    {label:<20} lm-eval: " + "; ".join(
+                    f"{t} " + ", ".join(f"{k} {v:.4g}" for k, v in m.items()) for t, m in out["lm_eval"].items()))
         out["seconds"] = time.perf_counter() - start
         return out
 
@@ -233,6 +238,9 @@ def stage_validate(job) -> None:
         if section.tasks and "tasks" not in results[final]:
             with attention_backend(job.model, None):
                 results[final]["tasks"] = state.suite.run_tasks(job.model, name)
+        if section.lm_eval.tasks and "lm_eval" not in results[final]:
+            with attention_backend(job.model, None):
+                results[final]["lm_eval"] = harness.evaluate(job.model, state.suite.tokenizer, section.lm_eval)
     else:
         final = method.name
         results[final] = state.suite.measure(job.model, None, name)

@@ -427,3 +427,45 @@ def test_force_after_a_failed_gate_reuses_the_finished_finetune(tmp_path, base_d
     assert "reusing the finished finetune" in printed and "reusing the measurements" in printed
     assert (out / "finetune" / "metrics.jsonl").read_text() == before  # not trained again
     assert json.loads((out / "validation" / "report.json").read_text())["forced"] is True
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# lm-eval-harness (the [eval] extra)
+# ----------------------------------------------------------------------------------------------------------------------
+def _local_task(tmp_path, heldout) -> Path:
+    """A local lm-eval task over the held-out file (no download), as examples/lm_eval/heldout_rolling.yaml."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    task = yaml.safe_load((Path(__file__).parents[2] / "examples" / "lm_eval" / "heldout_rolling.yaml").read_text())
+    task.update(task="local_rolling", dataset_kwargs={"data_files": {"test": str(heldout)}, "sample_by": "document"})
+    (folder / "local_rolling.yaml").write_text(yaml.safe_dump(task))
+    return folder
+
+
+def test_lm_eval_runs_base_and_converted_into_the_report_and_the_card(tmp_path, base_dir, texts, capsys):
+    pytest.importorskip("lm_eval")  # the [test] extra installs it: CI runs this
+    tasks = _local_task(tmp_path, texts[0])
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path, texts[0], passkey_trials=0, speed=False,
+                          lm_eval={"tasks": ["local_rolling"], "include_path": str(tasks)})
+    run(base_dir, out, recipe)
+    report = json.loads((out / "validation" / "report.json").read_text())
+    base, cca = (report["results"][m]["lm_eval"]["local_rolling"] for m in ("base", "cca"))
+    assert set(base) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    assert all(math.isfinite(v) and v > 0 for v in [*base.values(), *cca.values()])
+    assert base["word_perplexity"] != cca["word_perplexity"]  # the base ran with full attention, CCA with CCA
+    assert "## lm-eval-harness" in (out / "validation" / "report.md").read_text()
+    assert "| local_rolling | word_perplexity |" in (out / "README.md").read_text()
+    # the validate command's --lm-eval: the same numbers on the export
+    assert main(["validate", str(out), "--lm-eval", "local_rolling", "--set",
+                 f"validate.lm_eval.include_path={tasks}", "--set", "validate.speed=false", "--device", "cpu"]) == 0
+    (rerun,) = out.glob("validation-*-vs-full-attention")
+    again = json.loads((rerun / "report.json").read_text())["results"]["cca"]["lm_eval"]["local_rolling"]
+    assert again["word_perplexity"] == pytest.approx(cca["word_perplexity"], rel=1e-5)
+    # bad input: one line naming the problem, exit 2, before any weight is loaded
+    assert main(["validate", str(out), "--lm-eval", "no_such_task", "--set",
+                 f"validate.lm_eval.include_path={tasks}"]) == 2
+    assert "lm-eval knows no task no_such_task" in capsys.readouterr().err
+    assert main(["validate", str(out), "--lm-eval", "local_rolling", "--set",
+                 f"validate.lm_eval.include_path={tmp_path / 'nowhere'}"]) == 2
+    assert "no such folder" in capsys.readouterr().err
