@@ -7,6 +7,7 @@ Tasks are lm-eval's names; ``include_path`` adds a folder of task YAMLs (local d
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -20,9 +21,7 @@ def problems(section) -> list[str]:
     if not section.tasks:
         return []
     out = []
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("lm_eval") is None:
         out.append(f"validate.lm_eval.tasks {section.tasks} need lm-eval-harness, which is not installed: {INSTALL}")
         return out
     if section.include_path and not Path(section.include_path).is_dir():
