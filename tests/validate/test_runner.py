@@ -469,3 +469,16 @@ def test_lm_eval_runs_base_and_converted_into_the_report_and_the_card(tmp_path, 
     assert main(["validate", str(out), "--lm-eval", "local_rolling", "--set",
                  f"validate.lm_eval.include_path={tmp_path / 'nowhere'}"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_lm_eval_missing_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from cca_convert.validate import harness
+    from cca_convert.validate.config import LmEvalSection
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert harness.problems(LmEvalSection()) == []  # no tasks: nothing needed
+    (msg,) = harness.problems(LmEvalSection(tasks=["hellaswag"]))
+    assert "not installed" in msg and 'pip install "cca-convert[eval]"' in msg
