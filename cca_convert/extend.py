@@ -102,10 +102,12 @@ def follow(recipe, trained: int, log=print):
     lengths = recipe.validate.context_lengths
     if recipe.validate.enabled and not given("validate", "context_lengths"):
         more = [n for n in (trained, target) if n not in lengths]
-        if more:
-            new = sorted(set(lengths) | set(more))
+        past = [n for n in lengths if n > target]  # e.g. DCA's 8c with factor 2: past the exported context
+        if more or past:
+            new = sorted((set(lengths) - set(past)) | set(more))
             update["validate"] = recipe.validate.model_copy(update={"context_lengths": new})
-            log(f"  extend x{ext.factor:g}: validate.context_lengths + {more}")
+            log(f"  extend x{ext.factor:g}: validate.context_lengths "
+                + ", ".join(([f"+ {more}"] if more else []) + ([f"- {past} (past {target})"] if past else [])))
     return recipe.model_copy(update=update) if update else recipe
 
 

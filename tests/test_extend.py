@@ -86,3 +86,8 @@ def test_factor_one_changes_nothing_and_what_follows_unless_set():
     kept = extend.follow(_recipe("extend.factor=2", "finetune.seq_len=512", "validate.context_lengths=[512]"), 2048)
     assert kept.finetune.seq_len == 512 and kept.validate.context_lengths == [512]
     assert math.isclose(extend.context(1.5, 2048), 3072)
+    # lengths past the exported context go (DCA's default 8c with factor 2)
+    dca = load_recipe("recipes/dca-default.yaml", ["extend.factor=2"])[0]
+    dca = dca.model_copy(update={"validate": dca.validate.resolved(2048)})
+    assert extend.follow(dca, 2048, logs.append).validate.context_lengths == [2048, 4096]
+    assert "- [8192, 16384] (past 4096)" in logs[-1]
