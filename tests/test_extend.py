@@ -29,6 +29,8 @@ def test_cca_gets_ntk_theta_scaling_and_the_context():
     assert config.rope_parameters["rope_theta"] == pytest.approx(10000.0 * 4 ** (d / (d - 2)))
     assert done["rope"]["rope_theta_before"] == 10000.0 and config.context_extension == done
     assert "extended x4 to 8,192" in extend.card_line(config)
+    # relative lengths ("2c") and the growth gate of the export count in the base's c, not the extended context
+    assert methods.get("cca").trained_context(config) == 2048 and methods.get("cca").trained_context(_llama()) is None
 
 
 def test_yarn_where_asked_and_refused_where_it_would_drop_the_base_s_own_scaling():

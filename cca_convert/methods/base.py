@@ -48,8 +48,9 @@ class Method(ABC):
         """Turn the base's config (a transformers config, changed in place) into this method's."""
 
     def trained_context(self, config) -> int | None:
-        """c, the context relative validation lengths ("2c") count in; None: the base's max_position_embeddings."""
-        return None
+        """c, the context relative validation lengths ("2c") count in; None: the base's max_position_embeddings.
+        An extended export (``extend.factor``) keeps the base's in ``context_extension``."""
+        return (getattr(config, "context_extension", None) or {}).get("trained_context")
 
     def describe(self, config) -> str:
         """The settings, for the convert stage's log line."""
