@@ -269,9 +269,11 @@ def stage_validate(job) -> None:
         return
     kept = job.work_dir / "validation"  # the staging folder goes away with the failed run
     report_mod.write(report, job.work_dir)
+    reused = "the baseline measurements" + (" and the finished finetune are" if job.recipe.finetune.enabled else
+                                            " are")
     raise CCAError(f"validation gates failed: {summary}. Nothing was exported; report in {kept}/report.md. "
-                   f"To export (and push) anyway, run {_with_force(job.command)} (the baseline measurements "
-                   "and the finished finetune are reused), or relax the gates in the recipe's validate: section")
+                   f"To export (and push) anyway, run {_with_force(job.command)} ({reused} reused), or relax the "
+                   "gates in the recipe's validate: section")
 
 
 def _with_force(command: str | None) -> str:
