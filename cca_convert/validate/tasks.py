@@ -98,14 +98,14 @@ def _insert(tokenizer, hay: list[int], needles: list[tuple[float, list[int]]]) -
     return out + hay[last:]
 
 
-def _fill(budget: int, build) -> tuple[list[int], object] | None:
-    """The largest filler amount whose prompt ``build(n) -> (ids, extra)`` fits ``budget`` tokens (bisection)."""
+def _fill(budget: int, build) -> list[int] | None:
+    """The longest prompt ``build(n)`` (n: filler amount) that fits ``budget`` tokens, by bisection on n."""
     lo, hi, best = 0, budget, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        ids, extra = build(mid)
+        ids = build(mid)
         if len(ids) <= budget:
-            best, lo = (ids, extra), mid + 1
+            best, lo = ids, mid + 1
         else:
             hi = mid - 1
     return best
@@ -115,7 +115,7 @@ def _depths(n: int) -> list[float]:
     return [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
 
 
-def _niah(task, tokenizer, length, stream, rng, depth, words, bos):
+def _niah(task, tokenizer, stream, rng, depth, words, bos):
     keys = rng.sample(words, 4)
     value = lambda: str(rng.randrange(1_000_000, 10_000_000))  # noqa: E731
     if task == "niah_single":
@@ -138,7 +138,7 @@ def _niah(task, tokenizer, length, stream, rng, depth, words, bos):
     def build(n):
         hay = stream.roll(-start)[:n].tolist()
         hay = (hay * (n // max(1, len(hay)) + 1))[:n]  # a held-out text shorter than L is read again
-        return head_ids + _insert(tokenizer, hay, needle_ids) + tail_ids, None
+        return head_ids + _insert(tokenizer, hay, needle_ids) + tail_ids
 
     return build, answers
 
@@ -158,7 +158,7 @@ def _variable_tracking(tokenizer, rng, bos):
     def build(n):
         hay = (noise * (n // len(noise) + 1))[:n]
         places = [(i + 1) / (len(links) + 1) for i in range(len(links))]  # in order, evenly spread
-        return head_ids + _insert(tokenizer, hay, list(zip(places, links))) + tail_ids, None
+        return head_ids + _insert(tokenizer, hay, list(zip(places, links))) + tail_ids
 
     return build, names
 
@@ -172,9 +172,9 @@ def _common_words(tokenizer, rng, words, budget, bos):
             listed = common * fc + rare_pool[:n] * fr
             random.Random(n).shuffle(listed)  # the same order for the same n
             text = "".join(f"\n{i + 1}. {w}" for i, w in enumerate(listed))
-            return head_ids + _encode(tokenizer, text) + tail_ids, None
+            return head_ids + _encode(tokenizer, text) + tail_ids
 
-        if len(build(0)[0]) <= budget:
+        if len(build(0)) <= budget:
             return build, common
     return None, common
 
@@ -187,14 +187,14 @@ def _frequent_words(tokenizer, rng, bos):
             vocab.append(w)
     head, tail = FWE.split("{context}")
     head_ids, tail_ids = bos + _encode(tokenizer, head), _encode(tokenizer, tail)
-    weights = [1 / (r + 1) ** 2 for r in range(len(vocab))]  # Zipf, alpha 2: rank 1 twice rank 2's count...
+    weights = [1 / (r + 1) ** 2 for r in range(len(vocab))]  # Zipf, alpha 2: rank r's count ~ 1 / r^2
 
     def build(n):
         counts = [max(1, round(n * w / sum(weights))) for w in weights]
         counts[1], counts[2] = min(counts[1], counts[0] - 1), min(counts[2], counts[1] - 1)  # a strict top 3
         listed = [w for w, c in zip(vocab, counts) for _ in range(c)]
         random.Random(n).shuffle(listed)
-        return head_ids + _encode(tokenizer, " " + " .... ".join(listed)) + tail_ids, None
+        return head_ids + _encode(tokenizer, " " + " .... ".join(listed)) + tail_ids
 
     return build, vocab[:3]
 
@@ -208,7 +208,7 @@ def make_samples(task: str, tokenizer, length: int, stream: torch.Tensor, sample
     out = []
     for depth in _depths(samples):
         if task.startswith("niah"):
-            build, answers = _niah(task, tokenizer, length, stream, rng, depth, words, bos)
+            build, answers = _niah(task, tokenizer, stream, rng, depth, words, bos)
         elif task == "variable_tracking":
             build, answers = _variable_tracking(tokenizer, rng, bos)
         elif task == "common_words":
@@ -221,7 +221,7 @@ def make_samples(task: str, tokenizer, length: int, stream: torch.Tensor, sample
         found = _fill(length - new_tokens, build) if build else None
         if found is None:
             return []
-        out.append(Sample(task, torch.tensor(found[0], dtype=torch.long), answers, new_tokens,
+        out.append(Sample(task, torch.tensor(found, dtype=torch.long), answers, new_tokens,
                           depth if task in NEEDLE_TASKS else None))
     return out
 
