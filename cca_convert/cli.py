@@ -21,6 +21,7 @@ USAGE_EXAMPLES = """examples:
   cca-convert examples/tiny-llama --recipe recipes/tiny-demo.yaml --output out/tiny-cca
   cca-convert ./my-model --set cca.group_size=8 --set cca.local_window=2048
   cca-convert meta-llama/Llama-2-7b-hf --set method=dca         # Dual Chunk Attention, training-free
+  cca-convert meta-llama/Llama-2-7b-hf --set extend.factor=8     # 4K -> 32K context (RoPE stretched, finetuned)
   cca-convert meta-llama/Llama-3.1-8B --set finetune.method=full --gpus 4    # FSDP over 4 GPUs
 
 other commands:
