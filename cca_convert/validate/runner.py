@@ -109,13 +109,21 @@ class Suite:
                     out["passkey"][str(length)] = {"accuracy": None, "correct": 0, "trials": 0, "by_depth": {},
                                                    "note": "the passkey prompt does not fit in this length"}
                 self.log(msg)
-            if tasks and s.tasks:
-                out["tasks"] = self.run_tasks(model, label)
-            if tasks and s.lm_eval.tasks:
-                out["lm_eval"] = harness.evaluate(model, self.tokenizer, s.lm_eval)
-                self.log(f"    {label:<20} lm-eval: " + "; ".join(
-                    f"{t} " + ", ".join(f"{k} {v:.4g}" for k, v in m.items()) for t, m in out["lm_eval"].items()))
+            if tasks:
+                out.update(self.generation_checks(model, label))
         out["seconds"] = time.perf_counter() - start
+        return out
+
+    def generation_checks(self, model, label: str) -> dict:
+        """The configured tasks and lm-eval run (under the caller's attention backend): ``{"tasks": ..., "lm_eval":
+        ...}``, each key only when configured."""
+        s, out = self.section, {}
+        if s.tasks:
+            out["tasks"] = self.run_tasks(model, label)
+        if s.lm_eval.tasks:
+            out["lm_eval"] = harness.evaluate(model, self.tokenizer, s.lm_eval)
+            self.log(f"    {label:<20} lm-eval: " + "; ".join(
+                f"{t} " + ", ".join(f"{k} {v:.4g}" for k, v in m.items()) for t, m in out["lm_eval"].items()))
         return out
 
     def run_tasks(self, model, label: str) -> dict:
@@ -235,12 +243,9 @@ def stage_validate(job) -> None:
     elif before in results:  # the finetune stage ran but changed nothing
         final = method.name
         results[final] = results.pop(before)
-        if section.tasks and "tasks" not in results[final]:
-            with attention_backend(job.model, None):
-                results[final]["tasks"] = state.suite.run_tasks(job.model, name)
-        if section.lm_eval.tasks and "lm_eval" not in results[final]:
-            with attention_backend(job.model, None):
-                results[final]["lm_eval"] = harness.evaluate(job.model, state.suite.tokenizer, section.lm_eval)
+        if (section.tasks or section.lm_eval.tasks) and not {"tasks", "lm_eval"} & results[final].keys():
+            with attention_backend(job.model, None):  # measured before the finetune without them
+                results[final].update(state.suite.generation_checks(job.model, name))
     else:
         final = method.name
         results[final] = state.suite.measure(job.model, None, name)
