@@ -52,9 +52,9 @@ def check_seq_len(job) -> None:
     if ft.seq_len > limit:
         raise CCAError(
             f"finetune.seq_len={ft.seq_len} exceeds the model's max_position_embeddings={limit} (RoPE was trained "
-            f"that far): lower finetune.seq_len, or extend the context with --set "
-            f"cca.max_position_embeddings={ft.seq_len} (usually with a larger cca.rope_theta, e.g. 500000 as in "
-            "the paper)")
+            f"that far): lower finetune.seq_len, or extend the context with --set extend.factor="
+            f"{-(-ft.seq_len // limit)} (the exported context becomes that many times {limit}, its RoPE stretched "
+            "to match)")
 
 
 def load_tokenizer(job):

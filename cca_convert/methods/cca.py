@@ -83,7 +83,7 @@ class CCA(Method):
             if beyond:
                 problems.errors.append(f"validate.context_lengths {beyond} exceed the model's context "
                                        f"(max_position_embeddings={context}); drop them, or extend the context with "
-                                       "cca.max_position_embeddings (and a finetune)")
+                                       f"--set extend.factor={-(-max(beyond) // context)} (and a finetune)")
             base_ctx = base_context(job)
             if base_ctx and not beyond and any(n > base_ctx for n in v.context_lengths):
                 problems.warnings.append(f"validate.context_lengths go past the base model's own context ({base_ctx}): "

@@ -163,7 +163,7 @@ def test_bad_data_fails_before_training(tmp_path, corpus, data, message):
 def test_seq_len_beyond_the_context_fails_with_the_fix(tmp_path, corpus):
     job = make_job(tmp_path, corpus, seq_len=1024)  # tiny models have max_position_embeddings 512
     with pytest.raises(CCAError, match=r"seq_len=1024 exceeds .*max_position_embeddings=512.*"
-                                       r"--set cca.max_position_embeddings=1024"):
+                                       r"--set extend.factor=2 "):
         stage_finetune(job)
 
 
