@@ -26,6 +26,12 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("dca", "dca.py", "DCA attention (fused Triton) vs causal SDPA and a three-call merge: prefill and decode "
               "attention time; with --model, whole-model generate() decode", "--out benchmarks/results",
               "tests/kernels/test_dca_triton.py (kernel == reference)", prefixes=("dca",)),
+    Benchmark("dca_defaults", "dca_defaults.py", "DCA settings chosen by measurement: ppl growth c..8c and passkey "
+              "for four (C, w) choices x temperature off/on, on prose, pass-key and code bases (trains them first)",
+              "--out benchmarks/results", "tests/test_benchmarks.py (a tiny base on the CPU)"),
+    Benchmark("serve", "serve.py", "the exports served over HTTP (cca-convert serve) vs the stock model under "
+              "transformers serve, eager and --compile: time to first token, decode tokens/s, latency at 32K prompts",
+              "--out benchmarks/results", "tests/test_benchmarks.py (--smoke on the CPU); tests/test_serve.py"),
     Benchmark("decode", "decode.py", "ms/token inside one real generate() after a real prefill: exported CCA model vs "
               "stock full attention (eager and static-cache compiled), Llama-3.1-8B shape",
               "--out benchmarks/results", "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("decode",)),

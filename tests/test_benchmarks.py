@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,6 +177,45 @@ def test_prefill_benchmark_times_one_pass_and_chunks_for_both_backends(tmp_path)
     assert "| 53 | chunks |" in (tmp_path / "prefill.md").read_text()
     bad = subprocess.run(cmd[:2] + ["--backends", "cca,flash"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert bad.returncode == 2 and "--backends takes cca and/or full" in bad.stderr
+
+
+def test_dca_defaults_sweep_measures_every_setting_and_names_the_chosen_one(tmp_path):
+    """The sweep's code path on a tiny random base (c = 64): the base row, eight settings (four (C, w) x temperature)
+    measured with the validator's functions, a merge of --json files and the chosen row."""
+    from tests.support.factories import save_base
+
+    base = save_base(tmp_path / "base", max_position_embeddings=64)
+    raw = tmp_path / "kjv.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "dca_defaults.py"), "--bases", "kjv", "--base", str(base),
+           "--device", "cpu", "--windows", "2", "--trials", "1", "--json", str(raw)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(raw.read_text())["rows"]
+    assert [r["setting"] and r["setting"]["name"] for r in rows] == [None] + [
+        f"{size} temperature {t}" for size in ("C=3c/4 w=c/8", "C=3c/4 w=c/16", "C=c-1 w=c/8", "C=c-1 w=c/32")
+        for t in ("off", "on")]
+    assert rows[5]["setting"]["chunk_size"] == 63 and rows[8]["setting"]["local_size"] == 2  # C = c - 1, w = c/32
+    assert all(set(r["ppl"]) == {"64", "128", "256", "512"} and all(math.isfinite(v) for v in r["ppl"].values())
+               for r in rows)
+    merged = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dca_defaults.py"), "--merge", str(raw),
+                             "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    chosen = json.loads((tmp_path / "dca_defaults.json").read_text())["chosen"]
+    assert f"| {chosen} **(chosen)** |" in merged.stdout and "| base (plain RoPE) |" in merged.stdout
+
+
+def test_serve_benchmark_streams_from_each_server(tmp_path):
+    """The serving benchmark's path on a tiny model: the CLI's CCA export and the stock base served, streamed
+    completions of exactly L prompt tokens, the table with ratios to the stock server."""
+    pytest.importorskip("fastapi")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "serve.py"), "--smoke", "--device", "cpu", "--contexts", "40",
+           "--new-tokens", "4", "--requests", "1", "--rows", "full,cca", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads((tmp_path / "serve.json").read_text())["results"]
+    assert [(r["row"], r["prompt_tokens"], r["completion_tokens"]) for r in results] == [("full", 40, 4), ("cca", 40, 4)]
+    assert all(r["ttft_s"] > 0 and r["latency_s"] >= r["ttft_s"] for r in results)
+    assert "| 40 | cca |" in (tmp_path / "serve.md").read_text()
 
 
 def test_recipes_at_scale_runs_every_shipped_recipe_row_on_tiny_shapes(tmp_path):
