@@ -68,8 +68,10 @@ def word_tokenizer(vocab_size: int, context: int):
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # model_input_names as Llama's tokenizer: no token_type_ids, which generate() would hand to every forward
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<pad>", model_max_length=context)
+                                                eos_token="</s>", unk_token="<pad>", model_max_length=context,
+                                                model_input_names=["input_ids", "attention_mask"])
 
 
 def write_base(folder: Path, args) -> None:
