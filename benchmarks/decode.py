@@ -12,6 +12,10 @@ Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``:
   pooling kv, attn_backend auto) with its own ``CCACache``; on CUDA its one-token steps replay CUDA graphs (the
   default, ``decode_graph.py``) and generate() reads its stopping flag one step late (``cca_hf.defer_stop_checks``).
 - ``cca-eager``: the same with ``cca_cuda_graphs=False``: every step launched from Python.
+- ``dca``: the DCA export's class (``DCAModelMixin``) on the same weights, with the sizes the CLI gives
+  Llama-3.1-8B (c = 131072: C = 98304, w = 16384, temperature off), its ``DCACache``; on CUDA its one-token steps
+  replay CUDA graphs (the same mechanism as CCA's). DCA keeps every key: its floor is the full-attention one.
+- ``dca-eager``: the same with ``dca_cuda_graphs=False``.
 - ``full``: stock ``LlamaForCausalLM``, SDPA, ``DynamicCache``: what ``generate()`` does by default.
 - ``full-static``: the same with ``cache_implementation="static"``; on CUDA, transformers then compiles the decode
   step (torch.compile "reduce-overhead": CUDA graphs) and SDPA reads the GQA cache without copies. The best full
@@ -49,10 +53,12 @@ from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import methods, published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
+from cca_convert.kernels.dca_params import default_sizes  # noqa: E402
 from cca_convert.modeling import cache_cca as cache_module  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
-BACKENDS = ("cca", "cca-eager", "full", "full-static")
+BACKENDS = ("cca", "cca-eager", "dca", "dca-eager", "full", "full-static")
+DCA_TRAINED_CONTEXT = 131072  # Llama-3.1-8B's c: the DCA sizes the CLI derives from it
 
 
 def configs(args):
@@ -70,8 +76,19 @@ def configs(args):
     return config
 
 
+def dca_config(args):
+    config = configs(args)
+    c = 256 if args.smoke else DCA_TRAINED_CONTEXT
+    chunk, local = default_sizes(c)
+    config.dual_chunk_attention_config = {"chunk_size": chunk, "local_size": local,
+                                          "original_max_position_embeddings": 0}
+    config.dca_trained_context = c
+    return config
+
+
 def build(args, dtype):
-    """The CCA export's class and stock LlamaForCausalLM, sharing one set of random weights."""
+    """The CCA export's class, the DCA export's class and stock LlamaForCausalLM, sharing one set of random
+    weights."""
     config = configs(args)
     cls = published.family_class(FAMILIES["llama"], methods.get("cca"))
     torch.set_default_dtype(dtype)
@@ -81,14 +98,28 @@ def build(args, dtype):
             cca = cls(config).eval()
         with torch.device("meta"):
             full = transformers.LlamaForCausalLM(configs(args)).eval()
+            dca = published.family_class(FAMILIES["llama"], methods.get("dca"))(dca_config(args)).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     full.config._attn_implementation = "sdpa"
-    full.load_state_dict(cca.state_dict(), assign=True)  # the same tensors, not a copy
-    full.model.rotary_emb = cca.model.rotary_emb  # its inv_freq is a non-persistent buffer
-    full.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    for model in (full, dca):
+        model.load_state_dict(cca.state_dict(), assign=True)  # the same tensors, not a copy
+        model.model.rotary_emb = cca.model.rotary_emb  # its inv_freq is a non-persistent buffer
+        model.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    for module in dca.modules():  # (its attention modules hold the rotary module they read)
+        if hasattr(module, "_dca_rotary"):
+            object.__setattr__(module, "_dca_rotary", cca.model.rotary_emb)
     cca.generation_config = transformers.GenerationConfig(pad_token_id=0)
-    return cca, full
+    return cca, dca, full
+
+
+def model_for(backend, cca, dca, full):
+    """The model a backend runs, its CUDA-graph switch set."""
+    for method, model in (("cca", cca), ("dca", dca)):
+        if backend.startswith(method):
+            setattr(model.config, f"{method}_cuda_graphs", backend == method)
+            return model
+    return full
 
 
 def describe(name, model, dtype, t0) -> str:
@@ -120,7 +151,6 @@ def warm_up(model, backend, args):
     kernel again for integer arguments of another divisibility by 16, e.g. a core capacity: a cell may still pay one.)"""
     chunk = prefill_chunk(args, 1)
     ids = torch.randint(3, model.config.vocab_size, (1, min(2 * chunk, max(args.contexts))), device=args.device)
-    model.config.cca_cuda_graphs = backend == "cca"
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                        prefill_chunk_size=chunk)
@@ -133,8 +163,6 @@ def run_cell(model, backend, context, batch, args) -> dict:
     kwargs = {"prefill_chunk_size": prefill_chunk(args, batch)}
     if backend == "full-static":
         kwargs["cache_implementation"] = "static"
-    if backend.startswith("cca"):
-        model.config.cca_cuda_graphs = backend == "cca"
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -159,8 +187,8 @@ def run_cell(model, backend, context, batch, args) -> dict:
 def table(rows, bandwidth_name) -> str:
     lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
              f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA-eager vs full | "
-             f"CCA tokens/s |",
-             "|" + " --- |" * (len(BACKENDS) + 8)]
+             f"CCA tokens/s | full floor ms (DCA % floor) | DCA vs full-static |",
+             "|" + " --- |" * (len(BACKENDS) + 10)]
     for r in rows:
         cells = r["cells"]
 
@@ -179,16 +207,19 @@ def table(rows, bandwidth_name) -> str:
             return f"{floor:.2f} ({100 * floor / c['ms_per_token']:.0f}%)" if isinstance(c, dict) else f"{floor:.2f}"
 
         cca = cells.get("cca")
+        dca = f"{pct('dca', r['floor_full_ms'])} | {ratio('full-static', 'dca')}"
         shortcut = next((c["prefilled_rows"] for c in cells.values() if isinstance(c, dict)
                          and c.get("prefilled_rows", r["batch"]) < r["batch"]), None)
         batch = f"{r['batch']} ({shortcut} prefilled, repeated)" if shortcut else r["batch"]
         lines.append(f"| {r['context']} | {batch} | {' | '.join(ms(b) for b in BACKENDS)} | "
                      f"{pct('cca', r['floor_cca_ms'])} | {pct('full-static', r['floor_full_ms'])} | "
                      f"{ratio('full-static')} | {ratio('full')} | {ratio('full', 'cca-eager')} | "
-                     f"{cca['tokens_per_s']:.0f} |" if isinstance(cca, dict) else
+                     f"{cca['tokens_per_s']:.0f} | {dca} |" if isinstance(cca, dict) else
                      f"| {r['context']} | {batch} | {' | '.join(ms(b) for b in BACKENDS)} | "
-                     f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | {ratio('full', 'cca-eager')} | - |")
-    lines.append(f"\nfloor: bytes read per step / {bandwidth_name}; ratios > 1x: CCA is faster")
+                     f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | {ratio('full', 'cca-eager')} | - | "
+                     f"{dca} |")
+    lines.append(f"\nfloor: bytes read per step / {bandwidth_name} (DCA keeps every key: the full floor); ratios > "
+                 "1x: the method is faster")
     return "\n".join(lines)
 
 
@@ -235,14 +266,14 @@ def main() -> int:
         bandwidth = 1e11  # a smoke run's floor is not a claim
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()
-    cca, full = build(args, dtype)
+    cca, dca, full = build(args, dtype)
     head = (f"{describe(name, cca, dtype, t0)}; {args.new_tokens} new tokens, prefill chunks of {args.prefill_chunk} "
             f"tokens per row, at most {args.prefill_tokens} per chunk; "
             f"step clock {'synced every step' if args.sync_steps else 'unsynced'}")
     print(head, flush=True)
     for backend in backends:
-        if backend.startswith("cca"):
-            warm_up(cca, backend, args)
+        if backend.startswith(("cca", "dca")):
+            warm_up(model_for(backend, cca, dca, full), backend, args)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -250,7 +281,7 @@ def main() -> int:
                    "floor_cca_ms": floor_ms(cca, "cca", context, batch, bandwidth),
                    "floor_full_ms": floor_ms(cca, "full", context, batch, bandwidth)}
             for backend in backends:
-                model = cca if backend.startswith("cca") else full
+                model = model_for(backend, cca, dca, full)
                 try:
                     row["cells"][backend] = run_cell(model, backend, context, batch, args)
                     cell = row["cells"][backend]

@@ -23,7 +23,7 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert [(r["context"], r["batch"]) for r in rows] == [(70, 1), (70, 2)]
     for row in rows:
-        assert set(row["cells"]) == {"cca", "cca-eager", "full", "full-static"}
+        assert set(row["cells"]) == {"cca", "cca-eager", "dca", "dca-eager", "full", "full-static"}
         for cell in row["cells"].values():
             assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
             assert cell["prefill_chunk"] == {1: 48, 2: 32}[row["batch"]]  # at most 64 tokens (rows x chunk)

@@ -16,7 +16,8 @@ SHIPPED = {
     "cca": {"cca_hf.py", "attention_hooks.py", "attention_cca.py", "cache_cca.py", "decode_graph.py", "cca_params.py",
             "cca_reference.py", "cca_triton.py", "cca_gluon.py", "cca_pool_triton.py", "cca_decode_triton.py",
             "skinny_triton.py", "tma.py"},
-    "dca": {"dca_hf.py", "attention_hooks.py", "dca_params.py", "dca_reference.py", "dca_triton.py", "tma.py"},
+    "dca": {"dca_hf.py", "attention_hooks.py", "decode_graph.py", "dca_params.py", "dca_reference.py", "dca_triton.py",
+            "skinny_triton.py", "tma.py"},  # (CUDA-graph decode: decode_graph.py and its few-row products)
 }
 
 

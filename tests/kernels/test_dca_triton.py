@@ -80,6 +80,27 @@ def test_cached_passes(lq, splits):
     case(2, 7, 1, 60, 64, 11, 3, pads=[0, 9], lq=lq, splits=splits, c_orig=20)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_decode_over_a_buffer_with_spare_room_equals_exact_keys(splits):
+    """A decode step reading a cache's whole buffer (what a CUDA-graph step does: spare columns past the sequence hold
+    garbage) gives the numbers of the exact-length keys: the key ranges end at each row's query, and the flash-decoding
+    splits share the columns the rows attend to (found on the device), not the buffer's."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hkv, L, d, C, w, room = 2, 8, 2, 53, 64, 11, 3, 40
+    q = torch.randn(B, H, 1, d, generator=gen).to(DEVICE)
+    k, v = (torch.randn(B, Hkv, L + room, d, generator=gen).to(DEVICE) for _ in range(2))
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(DEVICE)
+    kstart = torch.tensor([0, 9], device=DEVICE)
+    qpos = (L - 1 - kstart)[:, None]
+    args = (qpos, kstart, C, w, inv_freq, d ** -0.5)
+    exact = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=splits)
+    whole = tri.dca_attention_triton(q, k, v, *args, splits=splits)
+    assert torch.equal(whole, exact)
+    if splits > 1:  # and the exact keys split by span give the static splits' numbers
+        static = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=1)
+        torch.testing.assert_close(exact, static, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("lq,splits", [(1, 3), (5, 4)])
 def test_cached_passes_with_tma(lq, splits):
     case(2, 7, 1, 60, 80, 11, 3, pads=[0, 9], lq=lq, splits=splits, c_orig=20, use_tma=True)

@@ -192,3 +192,70 @@ def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_gpu_kernel_equals_reference_at_model_level(family, dtype, c_orig):
     kernel_vs_reference(family, dtype, c_orig, "cuda")
+
+
+@torch.no_grad()
+def test_cache_counts_written_columns_on_the_device_and_crops_them():
+    """What a CUDA-graph step relies on, on the CPU: each pass writes at the device-side column counter, the buffers
+    keep spare room (their replacement bumps the version a captured step is checked against), a crop moves the
+    counter back and stops the dropped columns counting as real tokens, and the host counters round-trip."""
+    _, model = stock_and_dca("llama")
+    x = ids(bsz=2, length=30)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    cache = model(x, attention_mask=mask, use_cache=True).past_key_values
+    layer = cache.layers[0]
+    assert int(cache.columns) == layer.length == 30 and layer.buffers[0].shape[2] == 30 + 1024
+    assert layer.buffers[3].sum(1).tolist() == [30, 25]
+    version = cache.state_version()
+    for i in range(3):
+        cache = model(ids(bsz=2, length=1, seed=i), attention_mask=torch.ones(2, 31 + i, dtype=torch.long),
+                      past_key_values=cache).past_key_values
+    assert int(cache.columns) == 33 and cache.state_version() == version  # appended in place
+    counters = cache.host_counters()
+    cache.advance(2)
+    assert cache.get_seq_length() == 35
+    cache.set_host_counters(counters)
+    cache.crop(-2)
+    assert int(cache.columns) == cache.get_seq_length() == 31
+    assert layer.buffers[3].sum(1).tolist() == [31, 26]
+    assert cache.replay_limit() == 30 + 1024 - 1
+    cache.reserve(2000)
+    assert cache.state_version() != version and cache.replay_limit() >= 31 + 2000 - 1
+
+
+def test_cuda_graphs_option_is_checked():
+    _, model = stock_and_dca("llama")
+    config = copy.deepcopy(model.config)
+    config.dca_cuda_graphs = "yes"
+    with pytest.raises(ValueError, match="dca_cuda_graphs must be true or false"):
+        type(model)(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_graph_decode_equals_eager(family, dtype, c_orig):
+    """generate() with CUDA-graph steps gives eager's tokens (fp32: and its logits) on a left-padded batch, across
+    chunk boundaries and past the buffer's first growth (1024 spare columns: a new capture), with most steps
+    replayed."""
+    _, model = stock_and_dca(family, original_max_position_embeddings=c_orig)
+    model = model.to("cuda", dtype)
+    model.config.max_position_embeddings = 4096
+    x = ids(length=60).cuda()
+    mask = torch.ones_like(x)
+    mask[1, :7] = 0
+    runs = {}
+    for graphs in (False, True):
+        model.config.dca_cuda_graphs = graphs
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=mask, max_new_tokens=1100, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+        graph_record = out.past_key_values.__dict__.get("decode_graphs")
+        runs[graphs] = (out.sequences, torch.stack(out.logits, 1).float(), graph_record)
+    assert runs[False][2] is None and runs[True][2].replays >= 1000, runs[True][2].failures
+    n = 1100 if dtype == torch.float32 else 200  # bf16: near ties may flip a token after a while
+    assert torch.equal(runs[True][0][:, :60 + n], runs[False][0][:, :60 + n])
+    if dtype == torch.float32:
+        torch.testing.assert_close(runs[True][1], runs[False][1], atol=2e-4, rtol=2e-4)

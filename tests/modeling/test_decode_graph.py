@@ -477,3 +477,13 @@ def test_gpu_a_failed_capture_is_retried_before_decoding_turns_eager():
         assert model._graph_failure == graphs.failure and torch.equal(graphed.sequences, eager.sequences)
     finally:
         hook.remove()
+
+
+def test_the_rope_dtypes_a_captured_step_defers_are_the_decode_kernels():
+    """decode_graph keeps its own copy (DCA exports ship no CCA kernel): it must name the dtypes whose eager RoPE
+    rounding CCA's decode kernel reproduces."""
+    pytest.importorskip("triton")
+    from cca_convert.kernels import cca_decode_triton
+    from cca_convert.modeling import decode_graph
+
+    assert decode_graph.EAGER_ROPE_DTYPES == cca_decode_triton.EAGER_ROPE_DTYPES
