@@ -81,6 +81,7 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
              stride_os, stride_ob, stride_oh, stride_om,
              stride_ls, stride_lb, stride_lh,
              Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, CHUNK, SPLIT_COLS,
+             SPLIT_BY_SPAN: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     pid_bh, pid_s = tl.program_id(0), tl.program_id(2)
@@ -100,8 +101,12 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
     # key-column ranges of the three parts, per row (empty for pad rows), clipped to this split's columns
     intra_lo = (pos // S_LEN) * S_LEN
     succ_lo = tl.maximum(intra_lo - S_LEN, 0)
-    col_lo = pid_s * SPLIT_COLS
-    col_hi = col_lo + SPLIT_COLS
+    split_cols = SPLIT_COLS
+    if SPLIT_BY_SPAN:  # the splits share the columns the rows attend to (device-side: a cache's spare room is skipped)
+        span = tl.max(tl.where(ok, pos, -1), 0) + 1 + kstart
+        split_cols = ((span + tl.num_programs(2) - 1) // tl.num_programs(2) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    col_lo = pid_s * split_cols
+    col_hi = col_lo + split_cols
 
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -299,7 +304,12 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         sms = _sm_count(q.device)
         splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 1024)))
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
-    splits = triton.cdiv(k_len, split_cols) if k_len else 1
+    # Decode tiles split the columns their rows attend to, found on the device: with keys in a buffer longer than the
+    # sequence (a DCA cache's spare room, read whole by a CUDA-graph step) the splits stay even. Where the keys end at
+    # the last query (every eager pass) the split columns are the static ones below: the same numbers.
+    by_span = q_len * rep <= 16 and splits > 1
+    if not by_span:
+        splits = triton.cdiv(k_len, split_cols) if k_len else 1
     qpos32, kstart32 = qpos.to(torch.int32).contiguous(), kstart.to(torch.int32).contiguous()
     temp = None if temp is None else temp.to(device=q.device, dtype=torch.float32).contiguous()
     out = torch.empty(bsz, q_len, n_heads, head_dim, device=q.device, dtype=dtype).transpose(1, 2)
@@ -322,6 +332,7 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         *k_rot.stride()[:3], *v.stride()[:3],
         *o_arg.stride()[:4], *lse_strides,
         n_kv, q_len, k_len, rep, n_chunks, chunk_size - local_size, chunk_size, split_cols,
+        SPLIT_BY_SPAN=by_span,
         HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=inv_freq.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
         HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=warps, num_stages=stages,

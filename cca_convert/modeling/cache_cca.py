@@ -670,6 +670,9 @@ class CCACache(Cache):
                     and (layer.slack or not layer.record_past) for layer in self.layers)
                 and bool(self.layers) and self.layers[0].uses_decode_kernels(head_dim))
 
+    def graph_step_allowed(self, real) -> bool:
+        return True  # (pad columns in a step are read on the device: any mask replays)
+
     def reserve(self, steps: int):
         """Core capacity in every layer for the next ``steps`` one-token steps (a captured step cannot grow it)."""
         group_size = self.config.group_size

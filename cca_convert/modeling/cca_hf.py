@@ -40,7 +40,7 @@ from .attention_cca import cca_attention, full_causal_attention, left_padding, s
 from .cache_cca import SPECULATIVE_SLACK, CCACache, CCALayerCache
 from ..kernels.cca_params import CHOICES, DEFAULTS, check_args
 from ..kernels.cca_reference import apply_rope
-from .decode_graph import DecodeGraphs, FusedModules, take_unrotated
+from .decode_graph import GraphDecodeMixin, take_unrotated
 
 logger = logging.get_logger(__name__)
 
@@ -230,11 +230,12 @@ def _install_deferred_stop_checks():
 _install_deferred_stop_checks()
 
 
-class CCAModelMixin(MethodModelMixin):
+class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     """Put in front of a stock causal-LM class: ``class CCAQwen3ForCausalLM(CCAModelMixin, Qwen3ForCausalLM)``."""
 
     method = "cca"
     no_weights = "CCA computes no attention matrix (core tokens and a local window share one softmax)"
+    graph_cache = CCACache  # (what GraphDecodeMixin replays steps of)
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & set(DEFAULTS))
@@ -302,86 +303,6 @@ class CCAModelMixin(MethodModelMixin):
             model_kwargs["past_key_values"] = HFCCACache(self.config)
         return result
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
-                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
-        """generate()'s one-token step on a CCA cache gets what the stock method returns: the last column of the ids
-        (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
-        stock method spends 60-200 us of host time per step on work that does not apply here (a signature inspection
-        for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
-        its stopping criteria after every step."""
-        if (next_sequence_length != 1 or not isinstance(past_key_values, CCACache) or is_first_iteration
-                or inputs_embeds is not None or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep"}
-                or input_ids.dim() != 2 or input_ids.device != self.get_input_embeddings().weight.device):
-            return super().prepare_inputs_for_generation(
-                input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
-                attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
-                **kwargs)
-        inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format),
-                  "past_key_values": past_key_values}
-        if (positions := kwargs.pop("position_ids", None)) is not None:
-            if positions.shape[-1] != 1:
-                positions = positions[..., -1:].clone(memory_format=torch.contiguous_format)
-            inputs["position_ids"] = positions
-        if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask
-        inputs.update(kwargs)
-        return inputs
-
-    # What generate() passes to a one-token step that a captured step can take (cache_position: only masks use it)
-    GRAPH_INPUTS = {"input_ids", "attention_mask", "position_ids", "return_dict", "output_hidden_states",
-                    "logits_to_keep", "cache_position"}
-
-    def _replayed_decode(self, cache, kwargs):
-        """The logits of a one-token step (or a verification pass of speculative decoding, ``cache.token_steps()``)
-        replayed from a CUDA graph, or None where this step runs eagerly."""
-        ids = kwargs.get("input_ids")
-        # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
-        if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
-                or torch.is_grad_enabled() or not isinstance(cache, CCACache)
-                or ids.shape[1] > cache.token_steps()
-                or not getattr(self.config, "cca_cuda_graphs", True) or getattr(self, "_graph_failure", None)
-                or not self.GRAPH_INPUTS.issuperset(kwargs)
-                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
-            return None
-        n, keep = ids.shape[1], kwargs.get("logits_to_keep")
-        if n > 1 and keep is not None and not isinstance(keep, int):
-            return None  # (logits of chosen positions: the stock forward picks them)
-        keep = n if not keep or keep > n else keep  # (logits of the last ``keep`` tokens; a step's graph has all n)
-        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        real = None if mask is None else mask[:, -n:]  # the graph reads the pad columns on the device
-        if positions is None:  # every row's positions continue from the cache's length: written in place on a replay
-            positions = cache.get_seq_length()
-        graphs = cache.__dict__.get("decode_graphs")
-        logits = None if graphs is None else graphs.replay(cache, ids, positions, real)
-        if logits is not None:
-            return logits if keep == n else logits[:, -keep:]
-        if isinstance(positions, int):
-            positions = torch.arange(positions, positions + n, device=ids.device).expand_as(ids)
-        rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
-        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        if "dynamic" in rope_type or rope_type == "longrope" or not cache.graphable(head_dim):  # (these re-plan
-            return None  # their tables on the host)
-        parent = super().forward
-
-        def step(input_ids, position_ids):
-            return parent(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True).logits
-
-        fused = None
-        if getattr(self.config, "cca_compile_decode", True):
-            fused = getattr(self, "_fused_modules", None)
-            if fused is None:
-                fused = self._fused_modules = FusedModules(self)
-        graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
-        logits = graphs.capture(step, cache, ids, positions, real, fused)
-        logits = logits if logits is None or keep == n else logits[:, -keep:]
-        if fused is not None and fused.failure:
-            logger.warning_once(f"CUDA-graph decoding captures the stock norms, MLPs and RoPE: compiling them failed "
-                                f"({fused.failure})")
-        if graphs.failure:
-            self._graph_failure = graphs.failure
-            logger.warning_once(f"CUDA-graph decoding is off for this model: capturing a step failed "
-                                f"({graphs.failure}); decoding runs eagerly")
-        return logits
 
 
 __all__ = ["CCAModelMixin", "CCASettings", "HFCCACache", "cca_attention_forward", "check_settings"]

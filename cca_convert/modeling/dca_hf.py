@@ -10,16 +10,23 @@ kernel on CUDA for inference, the PyTorch reference elsewhere and whenever gradi
 The cache holds every key rotated once at ``j % s`` (keys never need re-rotation) in buffers that grow by doubling,
 so a decode step appends in place instead of copying the whole cache. The RoPE is the model's own (its ``inv_freq``
 and ``attention_scaling``; NeoX layout).
+
+On CUDA, decode steps replay CUDA graphs as CCA's do (``decode_graph.py``, the same mechanism;
+``dca_cuda_graphs=False`` turns it off): a step writes its column at a device-side index and the kernel reads the
+cache's whole buffers, ending each row's keys at its query, so a replay needs no host-side length. A step replays when
+the mask so far is pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
 """
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
+from .decode_graph import GraphDecodeMixin, take_unrotated
 from ..kernels.dca_params import check_params
-from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature_per_sequence
+from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
     from ..kernels.dca_triton import dca_attention_triton, rope_table, rotate_keys_triton
@@ -39,12 +46,16 @@ def dca_settings(config) -> tuple[int, int, int]:
     backend = getattr(config, "dca_attn_backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"dca_attn_backend must be one of {BACKENDS}, got {backend!r}")
+    for option in ("dca_cuda_graphs", "dca_compile_decode"):
+        if getattr(config, option, True) not in (True, False):
+            raise ValueError(f"{option} must be true or false, got {getattr(config, option)!r}")
     return chunk, local, cfg.get("original_max_position_embeddings") or 0
 
 
 class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
     """Every key of one layer (DCA evicts nothing), rotated once at ``j % s``, its value, its position and whether
-    it is a real token; stored in buffers with spare room along the sequence."""
+    it is a real token; stored in buffers with spare room along the sequence. New columns are written at device-side
+    indices (``DCACache.next_columns``), so a CUDA-graph step replays its writes at the next columns."""
 
     is_sliding = False
     is_compileable = False
@@ -53,6 +64,7 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.buffers, self.length = None, 0  # [keys, values, pos, valid]; seq dim 2, 2, 1, 1
+        self.version = 0  # bumped whenever a buffer is replaced: a captured step writes the old ones
 
     def lazy_initialization(self, key_states, value_states):
         pass
@@ -65,29 +77,38 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
     _SEQ_DIMS = (2, 2, 1, 1)
 
-    def append(self, k, v, pos, valid):
+    def append(self, k, v, pos, valid, columns):
+        """Write a pass's tokens at ``columns`` (a device tensor: ``length .. length + n - 1``)."""
         new = (k, v, pos, valid)
-        end = self.length + k.shape[2]
-        if self.buffers is None or end > self.buffers[0].shape[2]:
-            # room for 1024 more tokens after a prefill, then doubling: appends stay O(1) amortised
-            capacity = max(end + 1024, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
-            grown = []
-            for i, (x, dim) in enumerate(zip(new, self._SEQ_DIMS)):
-                shape = list(x.shape)
-                shape[dim] = capacity
-                buf = x.new_zeros(shape)
-                if self.buffers is not None:
-                    buf.narrow(dim, 0, self.length).copy_(self.buffers[i].narrow(dim, 0, self.length))
-                grown.append(buf)
-            self.buffers = grown
+        self.reserve(self.length + k.shape[2], like=new)
         for buf, x, dim in zip(self.buffers, new, self._SEQ_DIMS):
-            buf.narrow(dim, self.length, x.shape[dim]).copy_(x)
-        self.length = end
-        return self.tensors()
+            buf.index_copy_(dim, columns, x)
+        self.length += k.shape[2]
+
+    def reserve(self, end: int, like=None):
+        """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): grown to ``end`` + 1024,
+        then by doubling, so that appends stay O(1) amortised."""
+        if self.buffers is not None and end <= self.buffers[0].shape[2]:
+            return
+        capacity = max(end + 1024, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
+        grown = []
+        for i, (x, dim) in enumerate(zip(like or self.buffers, self._SEQ_DIMS)):
+            shape = list(x.shape)
+            shape[dim] = capacity
+            buf = x.new_zeros(shape)
+            if self.buffers is not None:
+                buf.narrow(dim, 0, self.length).copy_(self.buffers[i].narrow(dim, 0, self.length))
+            grown.append(buf)
+        self.buffers = grown
+        self.version += 1
 
     def tensors(self):
         """(keys, values, pos, valid) of the tokens held, as views."""
         return tuple(buf.narrow(dim, 0, self.length) for buf, dim in zip(self.buffers, self._SEQ_DIMS))
+
+    @property
+    def max_seen(self) -> int:  # (the host count decode_graph compares with a captured step's replay limit)
+        return self.length
 
     def get_seq_length(self) -> int:
         return self.length
@@ -100,16 +121,21 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
     def reset(self):
         self.buffers, self.length = None, 0
+        self.version += 1
 
     def _map(self, fn):
         if self.buffers is not None:
             self.buffers = [fn(x) for x in self.buffers]
+            self.version += 1
 
     def crop(self, tokens: int):
         """Rejected draft tokens go away: ``-n`` drops the last ``n`` columns and 0 is a no-op (transformers >= 5.2x);
         a positive value is the length to keep (what older versions pass). Keys are rotated at their own position
-        only, so nothing else changes."""
-        self.length = crop_length(self.length, tokens)
+        only, so nothing else changes; the dropped columns stop counting as real tokens."""
+        keep = crop_length(self.length, tokens)
+        if self.buffers is not None and keep < self.length:
+            self.buffers[3].narrow(1, keep, self.length - keep).zero_()
+        self.length = keep
 
 
 class DCACache(Cache):
@@ -117,9 +143,66 @@ class DCACache(Cache):
         super().__init__(layers=[DCALayerCache() for _ in range(config.num_hidden_layers)])
         self.leading_pads_only = None  # of the whole mask (cache + new tokens), set per step by the model
         self.step = {}  # what the layers of one pass share, set by layer 0; "at": (cache length before, pass length)
+        self.columns = None  # (1,) int64 on the device: the next column to write (read and advanced by CUDA graphs)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states  # the dca attention function stores what it needs itself
+
+    def next_columns(self, n: int, device) -> torch.Tensor:
+        """The device indices of a pass's ``n`` new columns, advancing the device-side counter (once per pass: every
+        layer writes at the same columns)."""
+        if self.columns is None:
+            self.columns = torch.zeros(1, dtype=torch.long, device=device)
+        columns = self.columns + torch.arange(n, device=device)
+        self.columns += n
+        return columns
+
+    def crop(self, tokens: int):
+        super().crop(tokens)
+        if self.columns is not None:
+            self.columns.fill_(self.get_seq_length())
+
+    def reset(self):
+        super().reset()
+        self.columns = None
+
+    # --- what a CUDA-graph decode step (decode_graph.py) needs ----------------------------------------------------
+    step_real = None  # (set by DecodeGraphs.capture; a DCA step is captured only with every column real)
+
+    def graph_step_allowed(self, real) -> bool:
+        """Whether a step may replay: the kernel reads each row's keys as one run after its leading pads, so every
+        column so far must be pads first (the model checked the mask on its last pass) and every new one real (one
+        small host read of the step's mask column)."""
+        return self.leading_pads_only is True and (real is None or bool(real.all()))
+
+    def graphable(self, head_dim: int) -> bool:
+        layers = self.layers
+        return bool(layers) and all(isinstance(x, DCALayerCache) and x.buffers is not None and x.buffers[0].is_cuda
+                                    for x in layers) and self.step.get("layout") is True  # (the kernel ran)
+
+    def token_steps(self) -> int:
+        return 1
+
+    def reserve(self, steps: int):
+        for layer in self.layers:
+            layer.reserve(layer.length + steps)
+
+    def state_version(self) -> tuple:
+        return tuple(layer.version for layer in self.layers)
+
+    def replay_limit(self) -> int:
+        return min(layer.buffers[0].shape[2] for layer in self.layers) - 1
+
+    def host_counters(self) -> list:
+        return [layer.length for layer in self.layers]
+
+    def set_host_counters(self, counters: list):
+        for layer, length in zip(self.layers, counters):
+            layer.length = length
+
+    def advance(self, tokens: int, real=None):
+        for layer in self.layers:
+            layer.length += tokens
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -134,6 +217,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     rotary = module._dca_rotary
     bsz, q_len = query.shape[0], query.shape[2]
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
+    # while a decode step is captured the family may leave RoPE out (decode_graph._deferring): q/k come as projected
+    unrotated = take_unrotated(query, key)
     # what every layer of this pass shares (positions, the inverse RoPE, the kernel's layout): computed by the first
     # attention layer of the pass, reused by the others (fewer launches per decode step)
     at = (layer.length, q_len) if layer is not None else None
@@ -142,13 +227,17 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         qvalid = (attention_mask[:, -q_len:].bool() if attention_mask is not None
                   else torch.ones(bsz, q_len, dtype=torch.bool, device=query.device))
         # DCA positions are absolute and per sequence: each row counts its own real tokens (a left-padded row starts
-        # at 0, as the spec requires), whatever position_ids the caller passed
-        seen = layer.tensors()[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
+        # at 0, as the spec requires), whatever position_ids the caller passed. Counted over the whole buffer (its
+        # spare room is not real): the same count at every replay of a captured step.
+        seen = layer.buffers[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
         qpos = (seen + qvalid.long().cumsum(1) - 1).clamp_min(0)
-        step.update(qvalid=qvalid, qpos=qpos, inverse=inverse_rope(cos, sin))
+        step.update(qvalid=qvalid, qpos=qpos, real=seen + qvalid.sum(1, keepdim=True),
+                    inverse=None if unrotated else inverse_rope(cos, sin))
+        if layer is not None:
+            step["columns"] = cache.next_columns(q_len, query.device)
     qvalid, qpos = step["qvalid"], step["qpos"]
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
-    q, k = unrope(module, query, key, cos, sin, step["inverse"])  # whatever positions RoPE used
+    q, k = (query.float(), key.float()) if unrotated else unrope(module, query, key, cos, sin, step["inverse"])
     kernel = _use_kernel(module.config, query)
     if kernel:
         if "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
@@ -158,21 +247,27 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
         cache.step = step
-        k_rot, v, kpos, kvalid = layer.append(k_rot, value, qpos, qvalid)
+        layer.append(k_rot, value, qpos, qvalid, step["columns"])
+        k_rot, v, kpos, kvalid = layer.tensors()
     else:
         v, kpos, kvalid = value, qpos, qvalid
     out = None
     if kernel:
         if "kstart" not in step:
             # the kernel reads each sequence's keys as one run after its leading pads; DCAModelMixin.forward checked
-            # the layout once for the pass (one host sync per step, not per layer)
+            # the layout once for the pass (one host sync per step, not per layer). From device counters only (a
+            # captured step's replays read them anew): pads = columns written - real tokens.
             layout = cache.leading_pads_only if isinstance(cache, DCACache) else None
-            kstart = (~kvalid).sum(1)
-            step.update(kstart=kstart.to(torch.int32), layout=_leading_pads_only(kvalid) if layout is None else layout,
-                        temp=temperature_per_sequence(kstart, kvalid.shape[1], c_orig) if c_orig else None,
+            real = step["real"].squeeze(1)
+            ends = cache.columns if layer is not None else kvalid.shape[1]
+            step.update(kstart=(ends - real).to(torch.int32),
+                        layout=_leading_pads_only(kvalid) if layout is None else layout,
+                        temp=temperature(real.clamp_min(1), c_orig).to(torch.float32) if c_orig else None,
                         kernel_qpos=torch.where(qvalid, step["qpos32"], -1))
         if step["layout"]:
-            out = dca_attention_triton(q.to(value.dtype), k_rot, v, step["kernel_qpos"], step["kstart"], chunk,
+            # a cache's whole buffers: the kernel reads keys up to each row's query only
+            k_all, v_all = (layer.buffers[0], layer.buffers[1]) if layer is not None else (k_rot, v)
+            out = dca_attention_triton(q.to(value.dtype), k_all, v_all, step["kernel_qpos"], step["kstart"], chunk,
                                        local, rotary.inv_freq, scaling, step["temp"], rotary.attention_scaling,
                                        table=_query_table(rotary, chunk))
     if out is None:  # the PyTorch twin: on CPU, under autograd, or pads that are not all leading
@@ -219,17 +314,18 @@ AttentionInterface.register("dca", dca_attention_forward)
 AttentionMaskInterface.register("dca", flash_attention_mask)
 
 
-class DCAModelMixin(MethodModelMixin):
+class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     """Put in front of a stock causal-LM class: ``class DCAQwen2ForCausalLM(DCAModelMixin, Qwen2ForCausalLM)``."""
 
     method = "dca"
     no_weights = "DCA's kernel forms no attention matrix"
+    graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
 
     def __init__(self, config, *args, **kwargs):
-        unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size"})
+        unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size", "cuda_graphs"})
         if unprefixed:  # from_pretrained hands keys the config does not know to the model
             raise ValueError(f"unknown option(s) {unprefixed}: DCA's sizes live in dual_chunk_attention_config; "
-                             "the backend is dca_attn_backend=...")
+                             "the backend is dca_attn_backend=..., CUDA-graph decoding dca_cuda_graphs=...")
         dca_settings(config)  # bad values fail when the model is built
         super().__init__(config, *args, **kwargs)
         rotary = self.model.rotary_emb
@@ -244,7 +340,13 @@ class DCAModelMixin(MethodModelMixin):
             if past_key_values is None or (not isinstance(past_key_values, DCACache)
                                            and past_key_values.get_seq_length() == 0):
                 past_key_values = DCACache(self.config)
+        if len(args) == 1 and "input_ids" not in kwargs:  # model(ids, ...): a causal LM's first argument
+            (kwargs["input_ids"],), args = args, ()
         if isinstance(past_key_values, DCACache):
+            if not args and past_key_values.get_seq_length():  # a step after the prompt: from a CUDA graph if it can
+                logits = self._replayed_decode(past_key_values, dict(kwargs, attention_mask=attention_mask))
+                if logits is not None:
+                    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             past_key_values.leading_pads_only = (None if attention_mask is None or attention_mask.dim() != 2
                                                  else _leading_pads_only(attention_mask.bool()))
         return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache,

@@ -28,13 +28,18 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 try:
-    from ..kernels.cca_decode_triton import EAGER_ROPE_DTYPES
     from ..kernels.skinny_triton import skinny_gated, skinny_linear, usable as skinny_usable
 except ImportError:  # triton is optional (without it no step is captured)
     skinny_gated = skinny_linear = skinny_usable = None
-    EAGER_ROPE_DTYPES = ()
+
+# The dtypes whose eager RoPE rounding the decode kernels reproduce when a step's RoPE is left to them (CCA's
+# ``cca_decode_triton.EAGER_ROPE_DTYPES``, which tests hold equal; DCA rotates in fp32 itself)
+EAGER_ROPE_DTYPES = (torch.bfloat16, torch.float32) if skinny_linear is not None else ()
 
 
 def _unhooked(module) -> bool:
@@ -515,4 +520,98 @@ class DecodeGraphs:
             cache.step_real = None
         entry = _Captured(graph, ids, positions, real, static_logits, cache.state_version(), cache.replay_limit())
         self.captured[input_ids.shape] = entry
+        return logits
+
+
+class GraphDecodeMixin:
+    """What a method's model class (``CCAModelMixin``, ``DCAModelMixin``) shares to decode from CUDA graphs: its
+    ``forward`` calls ``_replayed_decode`` for a step on its cache (``graph_cache``), which replays the step captured
+    for this shape or captures it (``DecodeGraphs``, with ``FusedModules``' twins). The cache supplies what a replay
+    needs: ``state_version``, ``host_counters`` / ``set_host_counters``, ``advance``, ``reserve``, ``replay_limit``,
+    ``token_steps``, ``graphable``, ``graph_step_allowed``, ``step_real`` and its first layer's ``max_seen``. Config
+    switches: ``<method>_cuda_graphs`` and ``<method>_compile_decode`` (default on)."""
+
+    graph_cache = None  # the method's cache class
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
+                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """generate()'s one-token step on the method's cache gets what the stock method returns: the last column of the ids
+        (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
+        stock method spends 60-200 us of host time per step on work that does not apply here (a signature inspection
+        for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
+        its stopping criteria after every step."""
+        if (next_sequence_length != 1 or not isinstance(past_key_values, self.graph_cache) or is_first_iteration
+                or inputs_embeds is not None or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep"}
+                or input_ids.dim() != 2 or input_ids.device != self.get_input_embeddings().weight.device):
+            return super().prepare_inputs_for_generation(
+                input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
+                attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
+                **kwargs)
+        inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format),
+                  "past_key_values": past_key_values}
+        if (positions := kwargs.pop("position_ids", None)) is not None:
+            if positions.shape[-1] != 1:
+                positions = positions[..., -1:].clone(memory_format=torch.contiguous_format)
+            inputs["position_ids"] = positions
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        inputs.update(kwargs)
+        return inputs
+
+    # What generate() passes to a one-token step that a captured step can take (cache_position: only masks use it)
+    GRAPH_INPUTS = {"input_ids", "attention_mask", "position_ids", "return_dict", "output_hidden_states",
+                    "logits_to_keep", "cache_position"}
+
+    def _replayed_decode(self, cache, kwargs):
+        """The logits of a one-token step (or a verification pass of speculative decoding, ``cache.token_steps()``)
+        replayed from a CUDA graph, or None where this step runs eagerly."""
+        ids = kwargs.get("input_ids")
+        # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
+        if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
+                or torch.is_grad_enabled() or not isinstance(cache, self.graph_cache)
+                or ids.shape[1] > cache.token_steps()
+                or not getattr(self.config, f"{self.method}_cuda_graphs", True) or getattr(self, "_graph_failure", None)
+                or not self.GRAPH_INPUTS.issuperset(kwargs)
+                or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
+            return None
+        n, keep = ids.shape[1], kwargs.get("logits_to_keep")
+        if n > 1 and keep is not None and not isinstance(keep, int):
+            return None  # (logits of chosen positions: the stock forward picks them)
+        keep = n if not keep or keep > n else keep  # (logits of the last ``keep`` tokens; a step's graph has all n)
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        real = None if mask is None else mask[:, -n:]  # the graph reads the pad columns on the device
+        if not cache.graph_step_allowed(real):
+            return None
+        if positions is None:  # every row's positions continue from the cache's length: written in place on a replay
+            positions = cache.get_seq_length()
+        graphs = cache.__dict__.get("decode_graphs")
+        logits = None if graphs is None else graphs.replay(cache, ids, positions, real)
+        if logits is not None:
+            return logits if keep == n else logits[:, -keep:]
+        if isinstance(positions, int):
+            positions = torch.arange(positions, positions + n, device=ids.device).expand_as(ids)
+        rope_type = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        if "dynamic" in rope_type or rope_type == "longrope" or not cache.graphable(head_dim):  # (these re-plan
+            return None  # their tables on the host)
+        parent = super().forward
+
+        def step(input_ids, position_ids):
+            return parent(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True).logits
+
+        fused = None
+        if getattr(self.config, f"{self.method}_compile_decode", True):
+            fused = getattr(self, "_fused_modules", None)
+            if fused is None:
+                fused = self._fused_modules = FusedModules(self)
+        graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
+        logits = graphs.capture(step, cache, ids, positions, real, fused)
+        logits = logits if logits is None or keep == n else logits[:, -keep:]
+        if fused is not None and fused.failure:
+            logger.warning_once(f"CUDA-graph decoding captures the stock norms, MLPs and RoPE: compiling them failed "
+                                f"({fused.failure})")
+        if graphs.failure:
+            self._graph_failure = graphs.failure
+            logger.warning_once(f"CUDA-graph decoding is off for this model: capturing a step failed "
+                                f"({graphs.failure}); decoding runs eagerly")
         return logits
