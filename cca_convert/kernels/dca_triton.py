@@ -258,7 +258,8 @@ def _sm_count(device) -> int:
 
 
 def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_freq, scale, temp=None,
-                         attention_factor=1.0, splits: int | None = None, table=None, use_tma: bool | None = None):
+                         attention_factor=1.0, splits: int | None = None, table=None, use_tma: bool | None = None,
+                         split_by_span: bool = False):
     """DCA attention output (B, H, Lq, d) in ``v``'s dtype.
 
     q (B, H, Lq, d) before RoPE; k_rot (B, Hkv, Lk, d) keys rotated at ``j % s`` (``dca_reference.rotate_keys``);
@@ -268,6 +269,9 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     table: ``rope_table(inv_freq, chunk_size, attention_factor)``, which a caller running many layers computes once.
     use_tma: fetch key/value tiles with TMA descriptors (default: prefill tiles on a Hopper or newer GPU when the rows
     are 16-byte aligned: 20.5 -> 17.4 ms at 32K on an H200; decode keeps pointer loads). Both give the same numbers.
+    split_by_span: decode tiles split the columns their rows attend to, found on the device, instead of ``k_rot``'s
+    columns: for keys in a buffer longer than the sequence (a DCA cache's spare room, read whole by a CUDA-graph step).
+    Where the keys end at the last query it gives the static splits' numbers.
     """
     check_params(chunk_size, local_size)
     bsz, n_heads, q_len, head_dim = q.shape
@@ -304,10 +308,7 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         sms = _sm_count(q.device)
         splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 1024)))
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
-    # Decode tiles split the columns their rows attend to, found on the device: with keys in a buffer longer than the
-    # sequence (a DCA cache's spare room, read whole by a CUDA-graph step) the splits stay even. Where the keys end at
-    # the last query (every eager pass) the split columns are the static ones below: the same numbers.
-    by_span = q_len * rep <= 16 and splits > 1
+    by_span = split_by_span and q_len * rep <= 16 and splits > 1
     if not by_span:
         splits = triton.cdiv(k_len, split_cols) if k_len else 1
     qpos32, kstart32 = qpos.to(torch.int32).contiguous(), kstart.to(torch.int32).contiguous()

@@ -11,15 +11,15 @@ The cache holds every key rotated once at ``j % s`` (keys never need re-rotation
 so a decode step appends in place instead of copying the whole cache. The RoPE is the model's own (its ``inv_freq``
 and ``attention_scaling``; NeoX layout).
 
-On CUDA, decode steps replay CUDA graphs as CCA's do (``decode_graph.py``, the same mechanism;
-``dca_cuda_graphs=False`` turns it off): a step writes its column at a device-side index and the kernel reads the
+With ``dca_cuda_graphs=True`` (off by default), decode steps on CUDA replay CUDA graphs as CCA's do
+(``decode_graph.py``, the same mechanism): a step writes its column at a device-side index and the kernel reads the
 cache's whole buffers, ending each row's keys at its query, so a replay needs no host-side length. A step replays when
 the mask so far is pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
 """
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -47,7 +47,7 @@ def dca_settings(config) -> tuple[int, int, int]:
     if backend not in BACKENDS:
         raise ValueError(f"dca_attn_backend must be one of {BACKENDS}, got {backend!r}")
     for option in ("dca_cuda_graphs", "dca_compile_decode"):
-        if getattr(config, option, True) not in (True, False):
+        if getattr(config, option, False) not in (True, False):
             raise ValueError(f"{option} must be true or false, got {getattr(config, option)!r}")
     return chunk, local, cfg.get("original_max_position_embeddings") or 0
 
@@ -265,11 +265,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                         temp=temperature(real.clamp_min(1), c_orig).to(torch.float32) if c_orig else None,
                         kernel_qpos=torch.where(qvalid, step["qpos32"], -1))
         if step["layout"]:
-            # a cache's whole buffers: the kernel reads keys up to each row's query only
-            k_all, v_all = (layer.buffers[0], layer.buffers[1]) if layer is not None else (k_rot, v)
+            # A captured step reads the cache's whole buffers (the kernel ends each row's keys at its query, and
+            # splits the columns by that span), so that its replays see the columns written after the capture
+            whole = layer is not None and query.is_cuda and torch.cuda.is_current_stream_capturing()
+            k_all, v_all = (layer.buffers[0], layer.buffers[1]) if whole else (k_rot, v)
             out = dca_attention_triton(q.to(value.dtype), k_all, v_all, step["kernel_qpos"], step["kstart"], chunk,
                                        local, rotary.inv_freq, scaling, step["temp"], rotary.attention_scaling,
-                                       table=_query_table(rotary, chunk))
+                                       table=_query_table(rotary, chunk), split_by_span=whole)
     if out is None:  # the PyTorch twin: on CPU, under autograd, or pads that are not all leading
         out = dca_attention_blocked(q.to(value.dtype), k_rot, v, qpos, kpos, kvalid, qvalid, chunk, local,
                                     rotary.inv_freq, scaling, c_orig, rotary.attention_scaling, keys_rotated=True,
@@ -320,6 +322,7 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     method = "dca"
     no_weights = "DCA's kernel forms no attention matrix"
     graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
+    graphs_by_default = False  # opt in: dca_cuda_graphs=True (not yet checked against eager steps on a GPU)
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size", "cuda_graphs"})
@@ -331,6 +334,16 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         rotary = self.model.rotary_emb
         for module in self._hook_attention_modules(_attention):
             object.__setattr__(module, "_dca_rotary", rotary)  # a reference, not a submodule
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate()'s cache: a DCACache from the start (not the DynamicCache ``forward`` would swap at the prefill),
+        so that generate() returns the cache it decoded with."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not self.training
+                and cache.get_seq_length() == 0 and self.config._attn_implementation == "dca"):
+            model_kwargs["past_key_values"] = DCACache(self.config)
+        return result
 
     def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, output_attentions=None,
                 logits_to_keep=0, **kwargs):

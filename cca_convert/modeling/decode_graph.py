@@ -529,9 +529,11 @@ class GraphDecodeMixin:
     for this shape or captures it (``DecodeGraphs``, with ``FusedModules``' twins). The cache supplies what a replay
     needs: ``state_version``, ``host_counters`` / ``set_host_counters``, ``advance``, ``reserve``, ``replay_limit``,
     ``token_steps``, ``graphable``, ``graph_step_allowed``, ``step_real`` and its first layer's ``max_seen``. Config
-    switches: ``<method>_cuda_graphs`` and ``<method>_compile_decode`` (default on)."""
+    switches: ``<method>_cuda_graphs`` (default ``graphs_by_default``) and ``<method>_compile_decode`` (default
+    on)."""
 
     graph_cache = None  # the method's cache class
+    graphs_by_default = True  # <method>_cuda_graphs when the config does not set it
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
@@ -541,7 +543,8 @@ class GraphDecodeMixin:
         for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
         its stopping criteria after every step."""
         if (next_sequence_length != 1 or not isinstance(past_key_values, self.graph_cache) or is_first_iteration
-                or inputs_embeds is not None or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep"}
+                or inputs_embeds is not None
+                or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep", "tokenizer"}
                 or input_ids.dim() != 2 or input_ids.device != self.get_input_embeddings().weight.device):
             return super().prepare_inputs_for_generation(
                 input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
@@ -559,8 +562,9 @@ class GraphDecodeMixin:
         return inputs
 
     # What generate() passes to a one-token step that a captured step can take (cache_position: only masks use it)
+    # (tokenizer: generate() hands it on to forward when given one, e.g. by transformers serve; the model ignores it)
     GRAPH_INPUTS = {"input_ids", "attention_mask", "position_ids", "return_dict", "output_hidden_states",
-                    "logits_to_keep", "cache_position"}
+                    "logits_to_keep", "cache_position", "tokenizer"}
 
     def _replayed_decode(self, cache, kwargs):
         """The logits of a one-token step (or a verification pass of speculative decoding, ``cache.token_steps()``)
@@ -570,7 +574,8 @@ class GraphDecodeMixin:
         if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
                 or torch.is_grad_enabled() or not isinstance(cache, self.graph_cache)
                 or ids.shape[1] > cache.token_steps()
-                or not getattr(self.config, f"{self.method}_cuda_graphs", True) or getattr(self, "_graph_failure", None)
+                or not getattr(self.config, f"{self.method}_cuda_graphs", self.graphs_by_default)
+                or getattr(self, "_graph_failure", None)
                 or not self.GRAPH_INPUTS.issuperset(kwargs)
                 or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):
             return None

@@ -93,12 +93,11 @@ def test_decode_over_a_buffer_with_spare_room_equals_exact_keys(splits):
     kstart = torch.tensor([0, 9], device=DEVICE)
     qpos = (L - 1 - kstart)[:, None]
     args = (qpos, kstart, C, w, inv_freq, d ** -0.5)
-    exact = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=splits)
-    whole = tri.dca_attention_triton(q, k, v, *args, splits=splits)
+    exact = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=splits, split_by_span=True)
+    whole = tri.dca_attention_triton(q, k, v, *args, splits=splits, split_by_span=True)
     assert torch.equal(whole, exact)
-    if splits > 1:  # and the exact keys split by span give the static splits' numbers
-        static = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=1)
-        torch.testing.assert_close(exact, static, atol=2e-5, rtol=2e-5)
+    static = tri.dca_attention_triton(q, k[:, :, :L], v[:, :, :L], *args, splits=splits)
+    torch.testing.assert_close(exact, static, atol=2e-6, rtol=2e-6)  # (the merge may sum an empty split more)
 
 
 @pytest.mark.parametrize("lq,splits", [(1, 3), (5, 4)])

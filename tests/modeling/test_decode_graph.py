@@ -487,3 +487,37 @@ def test_the_rope_dtypes_a_captured_step_defers_are_the_decode_kernels():
     from cca_convert.modeling import decode_graph
 
     assert decode_graph.EAGER_ROPE_DTYPES == cca_decode_triton.EAGER_ROPE_DTYPES
+
+
+@pytest.mark.parametrize("method", ["cca", "dca"])
+def test_what_generate_hands_a_decode_step_is_what_a_captured_step_takes(method):
+    """A step is replayed only when every keyword generate() passes to forward is one the captured step takes: with a
+    streamer and a tokenizer, as transformers serve calls generate() (a ``tokenizer`` there once kept every served CCA
+    step eager). Checked on the CPU: the keywords, not the replay."""
+    import copy
+
+    from tests.modeling.test_dca_hf import stock_and_dca
+    from tests.support.factories import tiny_tokenizer
+
+    if method == "cca":
+        model = _model(torch.float32, device="cpu")
+    else:
+        model = stock_and_dca("llama")[1]
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(set(kw)), with_kwargs=True)
+
+    class Streamer:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    x = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(x, attention_mask=torch.ones_like(x), generation_config=config, streamer=Streamer(),
+                       tokenizer=tiny_tokenizer(model.config.vocab_size))
+    steps = seen[1:]  # after the prompt
+    assert steps and all(kw - {"past_key_values", "use_cache"} <= type(model).GRAPH_INPUTS for kw in steps), steps
