@@ -87,8 +87,7 @@ def dca_config(args):
 
 
 def build(args, dtype):
-    """The CCA export's class, the DCA export's class and stock LlamaForCausalLM, sharing one set of random
-    weights."""
+    """The CCA export's class and stock LlamaForCausalLM, sharing one set of random weights."""
     config = configs(args)
     cls = published.family_class(FAMILIES["llama"], methods.get("cca"))
     torch.set_default_dtype(dtype)
@@ -98,19 +97,27 @@ def build(args, dtype):
             cca = cls(config).eval()
         with torch.device("meta"):
             full = transformers.LlamaForCausalLM(configs(args)).eval()
-            dca = published.family_class(FAMILIES["llama"], methods.get("dca"))(dca_config(args)).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     full.config._attn_implementation = "sdpa"
-    for model in (full, dca):
-        model.load_state_dict(cca.state_dict(), assign=True)  # the same tensors, not a copy
-        model.model.rotary_emb = cca.model.rotary_emb  # its inv_freq is a non-persistent buffer
-        model.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    full.load_state_dict(cca.state_dict(), assign=True)  # the same tensors, not a copy
+    full.model.rotary_emb = cca.model.rotary_emb  # its inv_freq is a non-persistent buffer
+    full.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    cca.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    return cca, full
+
+
+def build_dca(args, cca):
+    """The DCA export's class on ``cca``'s weights (the same tensors)."""
+    with torch.device("meta"):
+        dca = published.family_class(FAMILIES["llama"], methods.get("dca"))(dca_config(args)).eval()
+    dca.load_state_dict(cca.state_dict(), assign=True)
+    dca.model.rotary_emb = cca.model.rotary_emb
     for module in dca.modules():  # (its attention modules hold the rotary module they read)
         if hasattr(module, "_dca_rotary"):
             object.__setattr__(module, "_dca_rotary", cca.model.rotary_emb)
-    cca.generation_config = transformers.GenerationConfig(pad_token_id=0)
-    return cca, dca, full
+    dca.generation_config = transformers.GenerationConfig(pad_token_id=0)
+    return dca
 
 
 def model_for(backend, cca, dca, full):
@@ -266,7 +273,8 @@ def main() -> int:
         bandwidth = 1e11  # a smoke run's floor is not a claim
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()
-    cca, dca, full = build(args, dtype)
+    cca, full = build(args, dtype)
+    dca = build_dca(args, cca) if any(b.startswith("dca") for b in backends) else None
     head = (f"{describe(name, cca, dtype, t0)}; {args.new_tokens} new tokens, prefill chunks of {args.prefill_chunk} "
             f"tokens per row, at most {args.prefill_tokens} per chunk; "
             f"step clock {'synced every step' if args.sync_steps else 'unsynced'}")
