@@ -23,7 +23,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
+from .attention_hooks import (BatchOpsMixin, MethodModelMixin, crop_length, dispatching, family_rope, inverse_rope,
+                              unrope)
 from .decode_graph import GraphDecodeMixin, take_unrotated
 from ..kernels.dca_params import check_params
 from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature
@@ -217,8 +218,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     rotary = module._dca_rotary
     bsz, q_len = query.shape[0], query.shape[2]
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
-    # while a decode step is captured the family may leave RoPE out (decode_graph._deferring): q/k come as projected
-    unrotated = take_unrotated(query, key)
+    if take_unrotated(query, key):  # (RoPE left to a decode kernel, which DCA's class never asks for: rotated here)
+        query, key = family_rope(module)(query, key, cos, sin)
     # what every layer of this pass shares (positions, the inverse RoPE, the kernel's layout): computed by the first
     # attention layer of the pass, reused by the others (fewer launches per decode step)
     at = (layer.length, q_len) if layer is not None else None
@@ -232,12 +233,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         seen = layer.buffers[3].sum(1, keepdim=True) if layer is not None and layer.length else 0
         qpos = (seen + qvalid.long().cumsum(1) - 1).clamp_min(0)
         step.update(qvalid=qvalid, qpos=qpos, real=seen + qvalid.sum(1, keepdim=True),
-                    inverse=None if unrotated else inverse_rope(cos, sin))
+                    inverse=inverse_rope(cos, sin))
         if layer is not None:
             step["columns"] = cache.next_columns(q_len, query.device)
     qvalid, qpos = step["qvalid"], step["qpos"]
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
-    q, k = (query.float(), key.float()) if unrotated else unrope(module, query, key, cos, sin, step["inverse"])
+    q, k = unrope(module, query, key, cos, sin, step["inverse"])
     kernel = _use_kernel(module.config, query)
     if kernel:
         if "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
@@ -323,6 +324,7 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     no_weights = "DCA's kernel forms no attention matrix"
     graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
     graphs_by_default = False  # opt in: dca_cuda_graphs=True (not yet checked against eager steps on a GPU)
+    defers_rope = False  # a captured step rotates q/k as an eager step does: the same numbers
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size", "cuda_graphs"})

@@ -534,6 +534,7 @@ class GraphDecodeMixin:
 
     graph_cache = None  # the method's cache class
     graphs_by_default = True  # <method>_cuda_graphs when the config does not set it
+    defers_rope = True  # a captured step leaves the family's RoPE of q/k to the method's decode kernel
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
@@ -609,6 +610,7 @@ class GraphDecodeMixin:
             fused = getattr(self, "_fused_modules", None)
             if fused is None:
                 fused = self._fused_modules = FusedModules(self)
+                fused.defer_rope = self.defers_rope
         graphs = cache.__dict__.setdefault("decode_graphs", DecodeGraphs())
         logits = graphs.capture(step, cache, ids, positions, real, fused)
         logits = logits if logits is None or keep == n else logits[:, -keep:]
