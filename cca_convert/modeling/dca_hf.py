@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
     dca_attention_triton = rope_table = rotate_keys_triton = None
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
+SPARE_COLUMNS = 1024  # a cache's room past a prompt (then doubling): appends in place, replays without a re-capture
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_ON_CPU = False  # tests: run the Triton kernels on CPU tensors (TRITON_INTERPRET=1), as "auto" does on CUDA
 
@@ -87,11 +88,11 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
         self.length += k.shape[2]
 
     def reserve(self, end: int, like=None):
-        """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): grown to ``end`` + 1024,
-        then by doubling, so that appends stay O(1) amortised."""
+        """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): grown to ``end`` +
+        ``SPARE_COLUMNS``, then by doubling, so that appends stay O(1) amortised."""
         if self.buffers is not None and end <= self.buffers[0].shape[2]:
             return
-        capacity = max(end + 1024, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
+        capacity = max(end + SPARE_COLUMNS, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
         grown = []
         for i, (x, dim) in enumerate(zip(like or self.buffers, self._SEQ_DIMS)):
             shape = list(x.shape)
