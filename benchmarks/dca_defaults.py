@@ -189,7 +189,9 @@ def choose(rows: list[dict]) -> tuple[dict, list[dict]]:
 def tables(rows: list[dict], windows: int, trials: int) -> str:
     chosen, summary = choose(rows)
     bases = list(dict.fromkeys(r["base"] for r in rows))
-    out = [f"c = {', '.join(sorted({str(r['c']) for r in rows}))}; ppl over {windows} windows of held-out text per length; passkey: 5 depths x {trials} keys per length.", "",
+    contexts = ", ".join(sorted({str(r["c"]) for r in rows}))
+    out = [f"c = {contexts}; ppl over {windows} windows of held-out text per length; passkey: 5 depths x {trials} "
+           "keys per length.", "",
            "| setting | " + " | ".join(f"{b}: growth 2c / 4c / 8c" for b in bases) + " | mean worst growth | worst "
            "growth, any base | mean passkey 2c..8c |", "|---" * (len(bases) + 4) + "|"]
     for s in summary:

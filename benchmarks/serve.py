@@ -220,7 +220,7 @@ def table(results: list[dict], args) -> str:
         return statistics.median(values) if values else None
 
     lines = ["| L | server | first token (s) | decode tok/s | latency (s) | GPU memory held (MiB) | first token, "
-             "full / this | decode, this / full | decode, this / full-compile |", "|---|---|---|---|---|---|---|---|---|"]
+             "full / this | decode, this / full | decode, this / full-compile |", "|---" * 9 + "|"]
     for context in args.contexts:
         for row in args.rows:
             if not any(r["row"] == row and r["context"] == context for r in results):

@@ -304,5 +304,4 @@ class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         return result
 
 
-
 __all__ = ["CCAModelMixin", "CCASettings", "HFCCACache", "cca_attention_forward", "check_settings"]

@@ -23,9 +23,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention_hooks import (BatchOpsMixin, MethodModelMixin, crop_length, dispatching, family_rope, inverse_rope,
-                              unrope)
-from .decode_graph import GraphDecodeMixin, take_unrotated
+from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
+from .decode_graph import GraphDecodeMixin
 from ..kernels.dca_params import check_params
 from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature
 
@@ -219,8 +218,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     rotary = module._dca_rotary
     bsz, q_len = query.shape[0], query.shape[2]
     layer = cache.layers[module.layer_idx] if isinstance(cache, DCACache) else None
-    if take_unrotated(query, key):  # (RoPE left to a decode kernel, which DCA's class never asks for: rotated here)
-        query, key = family_rope(module)(query, key, cos, sin)
     # what every layer of this pass shares (positions, the inverse RoPE, the kernel's layout): computed by the first
     # attention layer of the pass, reused by the others (fewer launches per decode step)
     at = (layer.length, q_len) if layer is not None else None
@@ -325,7 +322,7 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     no_weights = "DCA's kernel forms no attention matrix"
     graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
     graphs_by_default = False  # opt in: dca_cuda_graphs=True (not yet checked against eager steps on a GPU)
-    defers_rope = False  # a captured step rotates q/k as an eager step does: the same numbers
+    defers_rope = False  # a captured step keeps the family's RoPE (un-rotated by the attention): eager numbers
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size", "cuda_graphs"})

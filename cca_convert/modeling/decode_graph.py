@@ -37,8 +37,9 @@ try:
 except ImportError:  # triton is optional (without it no step is captured)
     skinny_gated = skinny_linear = skinny_usable = None
 
-# The dtypes whose eager RoPE rounding the decode kernels reproduce when a step's RoPE is left to them (CCA's
-# ``cca_decode_triton.EAGER_ROPE_DTYPES``, which tests hold equal; DCA rotates in fp32 itself)
+# The dtypes whose eager RoPE rounding CCA's decode kernel reproduces when a captured step leaves RoPE to it
+# (``cca_decode_triton.EAGER_ROPE_DTYPES``, which a test holds equal: a DCA export ships no CCA kernel to import it
+# from); none without triton, where nothing is captured
 EAGER_ROPE_DTYPES = (torch.bfloat16, torch.float32) if skinny_linear is not None else ()
 
 
@@ -538,8 +539,8 @@ class GraphDecodeMixin:
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
-        """generate()'s one-token step on the method's cache gets what the stock method returns: the last column of the ids
-        (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
+        """generate()'s one-token step on the method's cache gets what the stock method returns: the last column of
+        the ids (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
         stock method spends 60-200 us of host time per step on work that does not apply here (a signature inspection
         for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
         its stopping criteria after every step."""

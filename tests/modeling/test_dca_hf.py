@@ -205,7 +205,7 @@ def test_cache_counts_written_columns_on_the_device_and_crops_them():
     mask[1, :5] = 0
     cache = model(x, attention_mask=mask, use_cache=True).past_key_values
     layer = cache.layers[0]
-    assert int(cache.columns) == layer.length == 30 and layer.buffers[0].shape[2] == 30 + 1024
+    assert int(cache.columns) == layer.length == 30 and layer.buffers[0].shape[2] == 30 + hf.SPARE_COLUMNS
     assert layer.buffers[3].sum(1).tolist() == [30, 25]
     version = cache.state_version()
     for i in range(3):
@@ -219,7 +219,7 @@ def test_cache_counts_written_columns_on_the_device_and_crops_them():
     cache.crop(-2)
     assert int(cache.columns) == cache.get_seq_length() == 31
     assert layer.buffers[3].sum(1).tolist() == [31, 26]
-    assert cache.replay_limit() == 30 + 1024 - 1
+    assert cache.replay_limit() == 30 + hf.SPARE_COLUMNS - 1
     cache.reserve(2000)
     assert cache.state_version() != version and cache.replay_limit() >= 31 + 2000 - 1
 
