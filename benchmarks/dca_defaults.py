@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.fidelity import FIDELITY_BASE_ARGS, PASSKEY_BASE  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
+from cca_convert.kernels.dca_params import default_sizes  # noqa: E402
 
 DATA = REPO / "examples" / "data"
 COMMENTARIES = ("--extra-train", str(DATA / "commentaries.txt.xz"))
@@ -55,7 +56,7 @@ BASES = {  # name -> (extra pretraining arguments, data folder or None for the K
 }
 SIZES = {  # (C, w) choices as functions of c: ChunkLlama's current and first defaults, and C = c - 1 (Qwen's
     # layout) with ChunkLlama's and Qwen's local window
-    "C=3c/4 w=c/8": lambda c: (3 * c // 4, c // 8),
+    "C=3c/4 w=c/8": default_sizes,  # (the converter's default: dca_params.default_sizes)
     "C=3c/4 w=c/16": lambda c: (3 * c // 4, c // 16),
     "C=c-1 w=c/8": lambda c: (c - 1, c // 8),
     "C=c-1 w=c/32": lambda c: (c - 1, c // 32),
