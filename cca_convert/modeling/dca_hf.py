@@ -11,7 +11,7 @@ The cache holds every key rotated once at ``j % s`` (keys never need re-rotation
 so a decode step appends in place instead of copying the whole cache. The RoPE is the model's own (its ``inv_freq``
 and ``attention_scaling``; NeoX layout).
 
-With ``dca_cuda_graphs=True`` (off by default), decode steps on CUDA replay CUDA graphs as CCA's do
+On CUDA, decode steps replay CUDA graphs as CCA's do (``dca_cuda_graphs=False`` turns them off)
 (``decode_graph.py``, the same mechanism): a step writes its column at a device-side index and the kernel reads the
 cache's whole buffers, ending each row's keys at its query, so a replay needs no host-side length. A step replays when
 the mask so far is pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
@@ -321,7 +321,6 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     method = "dca"
     no_weights = "DCA's kernel forms no attention matrix"
     graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
-    graphs_by_default = False  # opt in: dca_cuda_graphs=True (not yet checked against eager steps on a GPU)
     defers_rope = False  # a captured step keeps the family's RoPE (un-rotated by the attention): eager numbers
 
     def __init__(self, config, *args, **kwargs):

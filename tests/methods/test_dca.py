@@ -189,3 +189,31 @@ def test_the_exported_tokenizer_claims_the_converted_context(tmp_path):
     context = json.loads((out / "config.json").read_text())["max_position_embeddings"]
     assert context == 16384
     assert AutoTokenizer.from_pretrained(out).model_max_length == context
+
+
+def test_the_readme_dca_run_on_the_embedded_model_passes_the_family_recipe(tmp_path):
+    """The README's DCA run, as written: the embedded model (trained at c = 2048) with the Llama family's DCA recipe
+    and only a local held-out file reads c..8c = 2048..16384, passes every gate and exits 0, and every line it prints
+    names DCA (no line calls the model CCA)."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    line = re.search(r"`(cca-convert examples/tiny-llama --set method=dca [^`]*)`", (repo / "README.md").read_text())
+    assert line, "the README no longer shows the DCA run on examples/tiny-llama"
+    for name in ("examples", "recipes"):
+        (tmp_path / name).symlink_to(repo / name)
+    proc = subprocess.run([sys.executable, "-m", "cca_convert.cli", *shlex.split(line.group(1))[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "lengths 2048, 4096, 8192, 16384" in proc.stdout
+    assert "CCA" not in proc.stdout + proc.stderr, proc.stdout
+    measured = [x for x in proc.stdout.splitlines() if " @ " in x]
+    assert len(measured) == 12 and all(x.split()[0] in ("base", "DCA", "prefill") for x in measured), measured
+    (report,) = tmp_path.glob("*/validation/report.json")
+    report = json.loads(report.read_text())
+    assert report["passed"] and report["model"]["method"] == "dca" and report["context_lengths"] == [
+        2048, 4096, 8192, 16384]

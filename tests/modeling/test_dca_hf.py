@@ -250,7 +250,7 @@ def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
     runs = {}
     for graphs in (False, True):
         model.config.dca_cuda_graphs = graphs
-        out = model.generate(x, attention_mask=mask, max_new_tokens=90, do_sample=False, pad_token_id=0,
+        out = model.generate(x, attention_mask=mask, max_new_tokens=90, do_sample=False, pad_token_id=0, use_cache=True,
                              eos_token_id=None, return_dict_in_generate=True, output_scores=True)
         runs[graphs] = (out, out.past_key_values.__dict__.get("decode_graphs"))
     (eager, none), (graphed, record) = runs[False], runs[True]
