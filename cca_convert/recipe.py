@@ -57,11 +57,20 @@ class RecipeBase(Section):
         """The YAML file this recipe was read from (None: built in code)."""
         return Path(self._path) if self._path != "recipe" else None
 
+    def effective(self) -> dict:
+        """The recipe as the run reads it: every section but the other methods' (a DCA run never reads ``cca:``), so
+        that the saved ``cca_recipe.yaml`` and the card show no settings of a method that did not run."""
+        data = self.model_dump(mode="json")
+        for name in methods.METHODS:
+            if name != self.method:
+                data.pop(name, None)
+        return data
+
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.effective(), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.effective(), sort_keys=False)
 
 
 @functools.cache

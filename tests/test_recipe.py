@@ -63,3 +63,16 @@ def test_each_familys_dca_default_loads(family):
 
     recipe, path = load_recipe(None, ["method=dca"], family=family)
     assert path.name == FAMILIES[family].dca_recipe and recipe.method == "dca" and not recipe.finetune.enabled
+
+
+@pytest.mark.parametrize("method,other", [("dca", "cca"), ("cca", "dca")])
+def test_the_saved_recipe_holds_only_the_method_that_ran(method, other, tmp_path):
+    """``cca_recipe.yaml`` (and the card's copy) leaves out the other methods' sections: a DCA export shows no CCA
+    group size. Read back, it is the same recipe (same digest), the method's own settings kept."""
+    recipe, _ = load_recipe(None, [f"method={method}", f"{method}.attn_backend=reference"], family="llama")
+    saved = yaml.safe_load(recipe.to_yaml())
+    assert saved["method"] == method and other not in saved and saved[method]["attn_backend"] == "reference"
+    path = tmp_path / "cca_recipe.yaml"
+    path.write_text(recipe.to_yaml())
+    again, _ = load_recipe(path)
+    assert again.digest() == recipe.digest() and again.to_yaml() == recipe.to_yaml()
