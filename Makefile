@@ -34,10 +34,12 @@ test-oldest:
 # On a CUDA machine, in the Python that has the CUDA build of torch (no virtualenv: GPU images ship their own
 # torch): every gpu-marked test (kernels, model-level training parity, decode), then the quick fidelity run
 # (CLI, Triton backend, micro-batch 4, real text; trains its 26M base first if out/fidelity-llama is missing).
-# With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~5 min on one H100; more workers oversubscribe one GPU.
+# With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~5 min on one H100; more workers oversubscribe one GPU. On several
+# GPUs, TEST_GPUS=0,1,2,3 gives xdist worker k the GPU TEST_GPUS[k % 4] (tests/conftest.py), e.g. PYTEST_ARGS="-n 8".
 GPU_PY ?= python3
+TEST_GPUS ?=
 test-gpu:
-	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
+	TEST_GPUS=$(TEST_GPUS) $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests $(PYTEST_ARGS)
 	$(GPU_PY) benchmarks/fidelity.py --quick
 
 # On a machine with 2+ CUDA GPUs (GPU_PY as above): the CLI under accelerate launch on 2 GPUs: FSDP full / qkv /

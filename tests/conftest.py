@@ -4,6 +4,13 @@ import os
 # compile subprocesses (a full GPU run went past 600 s once the twins came in; 14 workers x 16 compilers).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# Several GPUs (`make test-gpu TEST_GPUS=0,1,2,3 PYTEST_ARGS="-n 8"`): xdist worker k sees only GPU TEST_GPUS[k % n],
+# set before torch first touches CUDA, so the workers spread over the GPUs instead of sharing the first one.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_GPUS = [g.strip() for g in os.environ.get("TEST_GPUS", "").split(",") if g.strip()]
+if _WORKER.startswith("gw") and _GPUS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = _GPUS[int(_WORKER[2:]) % len(_GPUS)]
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
