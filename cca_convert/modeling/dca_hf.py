@@ -11,10 +11,10 @@ The cache holds every key rotated once at ``j % s`` (keys never need re-rotation
 so a decode step appends in place instead of copying the whole cache. The RoPE is the model's own (its ``inv_freq``
 and ``attention_scaling``; NeoX layout).
 
-On CUDA, decode steps replay CUDA graphs as CCA's do (``dca_cuda_graphs=False`` turns them off)
-(``decode_graph.py``, the same mechanism): a step writes its column at a device-side index and the kernel reads the
-cache's whole buffers, ending each row's keys at its query, so a replay needs no host-side length. A step replays when
-the mask so far is pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
+On CUDA, decode steps replay CUDA graphs through CCA's mechanism (``decode_graph.py``; ``dca_cuda_graphs=False``
+turns them off): a step writes its column at a device-side index and the kernel reads the cache's whole buffers,
+ending each row's keys at its query, so a replay needs no host-side length. A step replays when the mask so far is
+pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
 """
 
 import torch

@@ -530,20 +530,18 @@ class GraphDecodeMixin:
     for this shape or captures it (``DecodeGraphs``, with ``FusedModules``' twins). The cache supplies what a replay
     needs: ``state_version``, ``host_counters`` / ``set_host_counters``, ``advance``, ``reserve``, ``replay_limit``,
     ``token_steps``, ``graphable``, ``graph_step_allowed``, ``step_real`` and its first layer's ``max_seen``. Config
-    switches: ``<method>_cuda_graphs`` (default ``graphs_by_default``) and ``<method>_compile_decode`` (default
-    on)."""
+    switches: ``<method>_cuda_graphs`` and ``<method>_compile_decode`` (default on)."""
 
     graph_cache = None  # the method's cache class
-    graphs_by_default = True  # <method>_cuda_graphs when the config does not set it
     defers_rope = True  # a captured step leaves the family's RoPE of q/k to the method's decode kernel
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
         """generate()'s one-token step on the method's cache gets what the stock method returns: the last column of
-        the ids (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and ``logits_to_keep``. The
-        stock method spends 60-200 us of host time per step on work that does not apply here (a signature inspection
-        for remote-code models, a parameter walk for the device), and the device idles meanwhile: generate() syncs on
-        its stopping criteria after every step."""
+        the ids (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and
+        ``logits_to_keep``. The stock method spends 60-200 us of host time per step on work that does not apply here
+        (a signature inspection for remote-code models, a parameter walk for the device), and the device idles
+        meanwhile: generate() syncs on its stopping criteria after every step."""
         if (next_sequence_length != 1 or not isinstance(past_key_values, self.graph_cache) or is_first_iteration
                 or inputs_embeds is not None
                 or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep", "tokenizer"}
@@ -576,7 +574,7 @@ class GraphDecodeMixin:
         if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
                 or torch.is_grad_enabled() or not isinstance(cache, self.graph_cache)
                 or ids.shape[1] > cache.token_steps()
-                or not getattr(self.config, f"{self.method}_cuda_graphs", self.graphs_by_default)
+                or not getattr(self.config, f"{self.method}_cuda_graphs", True)
                 or getattr(self, "_graph_failure", None)
                 or not self.GRAPH_INPUTS.issuperset(kwargs)
                 or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False):

@@ -238,9 +238,9 @@ def test_cuda_graphs_option_is_checked():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @torch.no_grad()
 def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
-    """generate() with CUDA-graph steps (``dca_cuda_graphs=True``) gives eager's scores (fp32: and tokens) on a
-    left-padded batch, across chunk boundaries and buffer growths (each a new capture), with most steps replayed;
-    without the temperature its steps' logits are the no-cache forward's."""
+    """generate() with CUDA-graph steps (the default; ``dca_cuda_graphs=False``: eager) gives eager's scores (fp32:
+    and tokens) on a left-padded batch, across chunk boundaries and buffer growths (each a new capture), with most
+    steps replayed; without the temperature its steps' logits are the no-cache forward's."""
     monkeypatch.setattr(hf, "SPARE_COLUMNS", 16)  # the buffers grow every few steps: re-captures
     _, model = stock_and_dca(family, original_max_position_embeddings=c_orig)
     model = model.to("cuda", dtype)
