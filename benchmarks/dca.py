@@ -16,7 +16,10 @@ Conventions
 - "3-call merge" = ChunkLlama / vLLM's formulation in PyTorch: per chunk one causal flash call (intra) and two
   non-causal ones (succ, inter) through ``aten._scaled_dot_product_flash_attention`` (which returns the LSE), on
   repeat_kv'd keys as ChunkLlama does, then an fp32 LSE merge; its query/key rotations are timed too.
-- Decode (attention only): one new query at position L-1 against a cache of L keys, per layer; x32 for a model.
+- Decode (attention only), per layer (x32 for a model), timed inside CUDA graphs on every side (as a captured decode
+  step runs; ``do_bench_cudagraph``): one new query per row at position L-1 against a cache of L keys. "DCA step" is
+  what a captured DCA step runs (the new key rotated and written into the cache, the kernel over the cache's whole
+  buffers, the split merge); SDPA has no cache write and no RoPE.
 - ``--model``: Llama-3.1-8B-shaped model with random bf16 weights (32 layers), a real prefill then ``generate()``:
   ms/token = the median step time inside that one generate() call (``benchmarks/step_clock.py``), DCA model vs the
   same weights with transformers' SDPA attention (both with their dynamic caches; no static cache or CUDA graph
@@ -185,17 +188,104 @@ def prefill_rows(lengths):
     return rows
 
 
-def decode_rows(lengths):
+def measure_graph(fn, rep=100):
+    """Median ms of ``fn`` replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``): the device time of a
+    decode step's launches without the host's, as a captured decode step runs them."""
+    try:
+        fn()  # compile outside the capture
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan")
+
+
+def decode_calls(L, batch, spare=1024):
+    """One decode step's attention per layer, batch ``batch`` at position L-1 of an L-token cache:
+    - "DCA step": what a captured DCA decode step runs: the new key rotated and written into the cache's buffers
+      with its value, position and validity (one launch), then the kernel over the whole buffers (``spare`` columns
+      of room past L), each row's keys ending at its query (``split_by_span``), and the split merge;
+    - "DCA kernel": the kernel alone on an L-column cache (splits of the L columns), and the merge;
+    - "SDPA cuDNN" / "SDPA flash": one query over L rotated keys (no cache write, no RoPE)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shape = (batch, HKV, L + spare, D)
+    kbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kbuf[:, :, L:] = 0
+    vbuf[:, :, L:] = 0
+    posbuf = torch.arange(L + spare, device="cuda").expand(batch, -1).contiguous()
+    validbuf = (posbuf < L).contiguous()
+    q = torch.randn(batch, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new = torch.randn(batch, HKV, 1, D, device="cuda", dtype=torch.float32, generator=gen)
+    v_new = vbuf[:, :, L - 1:L].clone()
+    qpos = torch.full((batch, 1), L - 1, device="cuda")
+    qpos32, valid = qpos.to(torch.int32), torch.ones(batch, 1, dtype=torch.bool, device="cuda")
+    columns = torch.tensor([L - 1], device="cuda")
+    kstart = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    table = tri.rope_table(inv_freq(), CHUNK)
+    scale = D ** -0.5
+    buffers = [kbuf, vbuf, posbuf, validbuf]
+
+    def step():
+        tri.append_rotated_triton(k_new, v_new, qpos, valid, columns, CHUNK, LOCAL, table, buffers)
+        return tri.dca_attention_triton(q, kbuf, vbuf, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table,
+                                        split_by_span=True)
+
+    k, v = kbuf[:, :, :L], vbuf[:, :, :L]
+
+    def kernel():
+        return tri.dca_attention_triton(q, k, v, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
+
+    calls = {"DCA step": step, "DCA kernel": kernel}
+    calls.update({f"SDPA {n}": fn for n, fn in sdpa_calls(q, k, v, False).items()})
+    return calls
+
+
+def decode_rows(lengths, batches=(1,)):
     rows = []
     for L in lengths:
-        q, k, v = inputs(L, lq=1)
-        full, kernel = dca_call(q, k, v, L, 1)
-        times = {"DCA": measure(full, rep=100), "DCA kernel": measure(kernel, rep=100)}
-        times.update({f"SDPA {n}": measure(fn, rep=100) for n, fn in sdpa_calls(q, k, v, False).items()})
-        rows.append({"L": L, "ms": times})
-        del q, k, v
-        torch.cuda.empty_cache()
+        for batch in batches:
+            calls = decode_calls(L, batch)
+            rows.append({"L": L, "batch": batch, "ms": {n: measure_graph(fn) for n, fn in calls.items()}})
+            print(f"  decode L={L} batch={batch}: " + ", ".join(f"{n} {t * 1e3:.1f} us"
+                                                                 for n, t in rows[-1]["ms"].items()), flush=True)
+            del calls
+            torch.cuda.empty_cache()
     return rows
+
+
+DECODE_SWEEP = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 4, 3), (16, 64, 4, 4), (16, 64, 2, 3), (16, 128, 8, 2),
+                (16, 256, 8, 2)]
+
+
+def decode_sweep(lengths, batches):
+    """Time the decode tile configs (BLOCK_M, BLOCK_N, warps, stages) x split policies (programs per SM, columns
+    per split) as a captured step runs them ("DCA step"); print each cell's fastest; restore the defaults."""
+    default = (tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS)
+    results = []
+    for L in lengths:
+        for batch in batches:
+            calls = decode_calls(L, batch)
+            sdpa = min(measure_graph(calls["SDPA cuDNN"]), measure_graph(calls["SDPA flash"]))
+            cell = []
+            for cfg in DECODE_SWEEP:
+                for waves, cols in ((2, 1024), (4, 512), (8, 256)):
+                    tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS = cfg, waves, cols
+                    try:
+                        ms = measure_graph(calls["DCA step"])
+                    except Exception as exc:  # e.g. out of shared memory
+                        print(f"  {cfg} waves {waves} cols {cols}: {type(exc).__name__}", flush=True)
+                        continue
+                    cell.append((ms, cfg, waves, cols))
+            tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS = default
+            cell.sort(key=lambda x: x[0])
+            here = next(c for c in cell if (c[1], c[2], c[3]) == default)
+            print(f"L={L} batch={batch}: SDPA {sdpa * 1e3:.1f} us; default {here[0] * 1e3:.1f}; fastest "
+                  + "; ".join(f"{c[1]} x{c[2]}/{c[3]} {c[0] * 1e3:.1f}" for c in cell[:3]), flush=True)
+            results.append({"L": L, "batch": batch, "sdpa_ms": sdpa, "cells": cell})
+            del calls
+            torch.cuda.empty_cache()
+    return results
 
 
 def model_rows(lengths, new_tokens):
@@ -246,13 +336,14 @@ def table(prefill, decode, model, agreement) -> str:
                        f"{r['ms']['3-call merge'] / r['ms']['DCA']:.2f}x faster |")
     if decode:
         names = list(decode[0]["ms"])
-        out.append("\nDecode attention, one query over an L-key cache, per layer (ms; x32 for a 32-layer model):\n")
-        out.append("| L | " + " | ".join(names) + " | DCA / best SDPA |")
-        out.append("|" + " --- |" * (len(names) + 2))
+        out.append("\nDecode attention per layer, one query per row over an L-key cache, timed inside CUDA graphs "
+                   "(us; x32 for a 32-layer model):\n")
+        out.append("| L | batch | " + " | ".join(names) + " | DCA step / best SDPA | DCA kernel / best SDPA |")
+        out.append("|" + " --- |" * (len(names) + 4))
         for r in decode:
             best = min(r["ms"]["SDPA cuDNN"], r["ms"]["SDPA flash"])
-            out.append(f"| {r['L']} | " + " | ".join(f"{r['ms'][n]:.4f}" for n in names)
-                       + f" | {best / r['ms']['DCA']:.2f}x speed |")
+            out.append(f"| {r['L']} | {r['batch']} | " + " | ".join(f"{r['ms'][n] * 1e3:.1f}" for n in names)
+                       + f" | {best / r['ms']['DCA step']:.2f}x speed | {best / r['ms']['DCA kernel']:.2f}x speed |")
     if model:
         out.append("\nWhole model (Llama-3.1-8B shape, random bf16 weights), real prefill then generate():\n")
         out.append("| L | DCA prefill s | DCA ms/token | base prefill s | base ms/token |")
@@ -271,6 +362,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--decode-lengths", default="32768,131072")
+    ap.add_argument("--decode-batches", default="1")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="only time the decode tile configs and split policies at --decode-lengths x --decode-batches")
     ap.add_argument("--model", action="store_true", help="also time whole-model generate() (random 8B weights)")
     ap.add_argument("--model-lengths", default="32768")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -280,10 +374,13 @@ def main():
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    if args.decode_sweep:
+        decode_sweep(ints(args.decode_lengths), ints(args.decode_batches))
+        return
     chosen = sweep() if args.sweep else None
     agreement = check_agreement()
     prefill = prefill_rows(ints(args.lengths))
-    decode = decode_rows(ints(args.decode_lengths))
+    decode = decode_rows(ints(args.decode_lengths), ints(args.decode_batches))
     model = model_rows(ints(args.model_lengths), args.new_tokens) if args.model else []
     cfg = chosen or (*tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD)
     text = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}; prefill tiles "

@@ -83,7 +83,8 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
              Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, CHUNK, SPLIT_COLS,
              SPLIT_BY_SPAN: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+             WS: tl.constexpr):
     pid_bh, pid_s = tl.program_id(0), tl.program_id(2)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest row tiles first: the tail of the grid is short
     chunk = pid_bh % N_CHUNKS
@@ -160,7 +161,7 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
                                       stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, True, HEAD_DIM == BLOCK_D,
                                       PREC, TMA)
-            for n0 in range(inner_lo, inner_hi, BLOCK_N):
+            for n0 in tl.range(inner_lo, inner_hi, BLOCK_N, warp_specialize=WS):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
                                       stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, False, HEAD_DIM == BLOCK_D,
                                       PREC, TMA)
@@ -201,34 +202,59 @@ def _merge_splits(PARTS, LSE, O, n_splits, H, Lq,
 
 
 @triton.jit
-def _rotate_keys(K, OUT, KPOS, ROPE, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on, Hkv, Lk,
-                 S_LEN, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """Keys rotated at ``j % s`` (``dca_reference.rotate_keys``) from the same cos/sin table as the queries."""
+def _rotate_keys(K, OUT, KPOS, ROPE, COLS, V, V_OUT, POS_OUT, VALID, VALID_OUT,
+                 stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
+                 stride_vb, stride_vh, stride_vn, stride_wb, stride_wh, stride_wn, stride_pb, stride_qb, stride_rb,
+                 Hkv, Lk, S_LEN, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr,
+                 BLOCK: tl.constexpr, APPEND: tl.constexpr):
+    """Keys rotated at ``j % s`` (``dca_reference.rotate_keys``) from the same cos/sin table as the queries.
+    APPEND: written at the cache columns ``COLS`` instead, with the values, positions and validity beside them (what
+    ``DCALayerCache.append`` does in four index copies)."""
     pid_bh, pid_n = tl.program_id(0), tl.program_id(1)
     b, g = pid_bh // Hkv, pid_bh % Hkv
     n = pid_n * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     rows = n < Lk
+    dmask = rows[:, None] & (d < HEAD_DIM)[None, :]
     rot = d < 2 * ROT_HALF
     partner = tl.where(d < ROT_HALF, d + ROT_HALF, d - ROT_HALF)
     k_row = K + b.to(tl.int64) * stride_kb + g * stride_kh + n.to(tl.int64)[:, None] * stride_kn
-    x = tl.load(k_row + d[None, :], mask=rows[:, None] & (d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    x = tl.load(k_row + d[None, :], mask=dmask, other=0.0).to(tl.float32)
     xp = tl.load(k_row + partner[None, :], mask=rows[:, None] & rot[None, :], other=0.0).to(tl.float32)
     xp = tl.where((d < ROT_HALF)[None, :], -xp, xp)
-    pos = tl.maximum(tl.load(KPOS + b * Lk + n, mask=rows, other=0), 0) % S_LEN
+    kpos = tl.load(KPOS + b * Lk + n, mask=rows, other=0)
+    pos = tl.maximum(kpos, 0) % S_LEN
     tab = ROPE + pos[:, None] * (2 * ROT_HALF) + tl.where(rot, d % ROT_HALF, 0)[None, :]
     cos = tl.load(tab, mask=rows[:, None] & rot[None, :], other=1.0)
     sin = tl.load(tab + ROT_HALF, mask=rows[:, None] & rot[None, :], other=0.0)
-    o_row = OUT + b.to(tl.int64) * stride_ob + g * stride_oh + n.to(tl.int64)[:, None] * stride_on
-    tl.store(o_row + d[None, :], (x * cos + xp * sin).to(OUT.dtype.element_ty),
-             mask=rows[:, None] & (d < HEAD_DIM)[None, :])
+    col = n.to(tl.int64)
+    if APPEND:
+        col = tl.load(COLS + n, mask=rows, other=0).to(tl.int64)
+    o_row = OUT + b.to(tl.int64) * stride_ob + g * stride_oh + col[:, None] * stride_on
+    tl.store(o_row + d[None, :], (x * cos + xp * sin).to(OUT.dtype.element_ty), mask=dmask)
+    if APPEND:
+        v_row = V + b.to(tl.int64) * stride_vb + g * stride_vh + n.to(tl.int64)[:, None] * stride_vn
+        w_row = V_OUT + b.to(tl.int64) * stride_wb + g * stride_wh + col[:, None] * stride_wn
+        tl.store(w_row + d[None, :], tl.load(v_row + d[None, :], mask=dmask), mask=dmask)
+        if g == 0:
+            tl.store(POS_OUT + b.to(tl.int64) * stride_pb + col, kpos.to(POS_OUT.dtype.element_ty), mask=rows)
+            valid = tl.load(VALID + b * stride_qb + n, mask=rows)
+            tl.store(VALID_OUT + b.to(tl.int64) * stride_rb + col, valid, mask=rows)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); interpreter: small tiles so that tests cross many tile borders.
 # prefill: the fastest of benchmarks/dca.py --sweep on an H200 at 32K (then 31.2 ms; 64-key tiles 31.6, 64-row 32.4);
 # with TMA fetches (exp sweep, 2026-11-24): 128x128 17.45 ms, 128x64 19.25, 128x128 2 stages 20.45.
-_CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
+# decode: the fastest of benchmarks/dca.py --decode-sweep (in CUDA graphs, 2026-11-28), "decode_wide" where a split
+# holds >= _WIDE_SPLIT columns (batch 16 at 32K and 128K: 552 -> 502 us, 2139 -> 1909 us; batch 1 keeps 64-key tiles).
+_CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "decode_wide": (16, 128, 4, 3),
+            "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
+_WIDE_SPLIT = 8192
+_WARP_SPECIALIZE = False  # prefill's unmasked key tiles in a warp-specialized loop (Hopper+; benchmarks/dca.py)
 _MIN_ROWS_PER_HEAD = 128  # prefill: one query head per tile (stacking two 64-row heads measured no faster)
+# decode (flash-decoding): key columns split until there are _DECODE_WAVES programs per SM, at most one split per
+# _SPLIT_COLUMNS columns (512: 25.1 -> 18.8 us at 8K, batch 1; the same splits as 1024 from 16K on)
+_DECODE_WAVES, _SPLIT_COLUMNS = 2, 512
 
 
 def rope_table(inv_freq, chunk_size, attention_factor=1.0):
@@ -241,15 +267,39 @@ def rope_table(inv_freq, chunk_size, attention_factor=1.0):
 def rotate_keys_triton(k, kpos, chunk_size, local_size, table, dtype=None):
     """``dca_reference.rotate_keys`` in one launch: ``k`` (B, Hkv, Lk, d) rotated at ``kpos % s`` (pads: any
     position), returned in ``dtype`` (default ``k``'s); ``table`` = ``rope_table(inv_freq, chunk_size, ...)``."""
+    out = torch.empty(k.shape, device=k.device, dtype=dtype or k.dtype)
+    _launch_rotate(k, kpos.to(torch.int32).contiguous(), chunk_size, local_size, table, out)
+    return out
+
+
+def append_rotated_triton(k, v, pos, valid, columns, chunk_size, local_size, table, buffers):
+    """A cache pass in one launch: ``k`` (B, Hkv, n, d) rotated at ``pos % s`` into ``buffers[0]`` at the columns
+    ``columns`` (n,), and ``v``, ``pos`` (B, n) and ``valid`` (B, n) into ``buffers[1..3]`` there: what
+    ``rotate_keys_triton`` then four ``index_copy_`` do (``DCALayerCache.append``)."""
+    keys, values, positions, validity = buffers
+    if (v.dtype != values.dtype or keys.shape[:2] != k.shape[:2] or values.shape[:2] != v.shape[:2]
+            or pos.shape != valid.shape or any(x.stride(-1) != 1 for x in (keys, values, positions, validity))):
+        raise ValueError("append_rotated_triton: the pass's tensors do not match the cache's buffers")
+    pos = pos if pos.stride(-1) == 1 else pos.contiguous()
+    valid = valid if valid.stride(-1) == 1 else valid.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _launch_rotate(k, pos, chunk_size, local_size, table, keys, columns.contiguous(), v, values, positions,
+                   valid, validity)
+
+
+def _launch_rotate(k, kpos, chunk_size, local_size, table, out, columns=None, v=None, v_out=None, pos_out=None,
+                   valid=None, valid_out=None):
     bsz, n_kv, k_len, head_dim = k.shape
     k = k if k.stride(-1) == 1 else k.contiguous()
-    out = torch.empty(k.shape, device=k.device, dtype=dtype or k.dtype)
+    append = columns is not None
+    v_strides = (*v.stride()[:3], *v_out.stride()[:3]) if append else (0,) * 6
+    m_strides = (pos_out.stride(0), valid.stride(0), valid_out.stride(0)) if append else (0,) * 3
     block = 16 if k.device.type != "cuda" else 64
     _rotate_keys[(bsz * n_kv, triton.cdiv(k_len, block))](
-        k, out, kpos.to(torch.int32).contiguous(), table, *k.stride()[:3], *out.stride()[:3], n_kv, k_len,
-        chunk_size - local_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        ROT_HALF=table.shape[1] // 2, BLOCK=block, num_warps=4)
-    return out
+        k, out, kpos, table, columns, v, v_out, pos_out, valid, valid_out, *k.stride()[:3], *out.stride()[:3],
+        *v_strides, *m_strides, n_kv, k_len, chunk_size - local_size, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), ROT_HALF=table.shape[1] // 2, BLOCK=block, APPEND=append,
+        num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,8 +356,11 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     programs = m_tiles * bsz * n_kv * n_chunks
     if splits is None:  # flash-decoding: enough programs to fill the GPU when there are few query tiles
         sms = _sm_count(q.device)
-        splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 1024)))
+        splits = max(1, min(triton.cdiv(_DECODE_WAVES * sms, programs), triton.cdiv(k_len, _SPLIT_COLUMNS)))
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
+    if (block_m, block_n, warps, stages) == _CONFIGS["decode"] and split_cols >= _WIDE_SPLIT:
+        block_m, block_n, warps, stages = _CONFIGS["decode_wide"]
+        split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
     by_span = split_by_span and q_len * rep <= 16 and splits > 1
     if not by_span:
         splits = triton.cdiv(k_len, split_cols) if k_len else 1
@@ -336,6 +389,7 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         SPLIT_BY_SPAN=by_span,
         HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=inv_freq.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
         HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32", TMA=use_tma,
+        WS=_WARP_SPECIALIZE and use_tma and q_len * rep > 16,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -345,4 +399,4 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     return out
 
 
-__all__ = ["dca_attention_triton", "rope_table", "rotate_keys_triton"]
+__all__ = ["append_rotated_triton", "dca_attention_triton", "rope_table", "rotate_keys_triton"]

@@ -190,3 +190,44 @@ def test_gpu_pointer_path():
 @pytest.mark.parametrize("lq", [1, 7, 64])
 def test_gpu_decode_over_long_cache(lq):
     case(2, 28, 4, 20000, 128, 4096, 512, pads=[0, 1234], lq=lq, c_orig=8192, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,L,splits", [(8, 50000, None), (40, 9000, None), (3, 30000, 2)])
+def test_gpu_decode_wide_tiles(B, L, splits):
+    """Decode splits of >= _WIDE_SPLIT columns run the wide tile config (128-key tiles): batch 8 over 50K keys
+    (5 splits), batch 40 over 9K (one split: the batch fills the GPU), and forced splits; left padding."""
+    pads = [(977 * i) % 3000 for i in range(B)]
+    case(B, 32, 8, L, 128, 6144, 1024, pads=pads, lq=1, c_orig=8192, dtype=torch.bfloat16, splits=splits)
+
+
+@pytest.mark.parametrize("d,pads,n", [(64, [0], 1), (80, [0, 7], 5), (128, [3, 0], 23)])
+def test_append_rotated_matches_rotate_then_index_copy(d, pads, n):
+    """The cache's one-launch append (keys rotated at ``pos % s`` written at device-side columns with the values,
+    positions and validity) == the key rotation kernel then four ``index_copy_``, bit for bit (the twin's rotation:
+    within a bf16 rounding); other columns untouched."""
+    gen = torch.Generator().manual_seed(d + n)
+    B, cap, start = len(pads), 64, 11
+    k = torch.randn(B, 3, n, d, generator=gen).to(DEVICE)
+    v = torch.randn(B, 3, n, d, generator=gen).to(DEVICE, torch.bfloat16)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(DEVICE)
+    pos = (torch.arange(n, device=DEVICE)[None] + start - torch.tensor(pads, device=DEVICE)[:, None])
+    valid = pos >= 0
+    pos = pos.clamp_min(0)
+    columns = torch.arange(start, start + n, device=DEVICE)
+    buffers = [torch.randn(B, 3, cap, d, generator=gen).to(DEVICE, torch.bfloat16),
+               torch.randn(B, 3, cap, d, generator=gen).to(DEVICE, torch.bfloat16),
+               torch.randint(0, 9, (B, cap), generator=gen).to(DEVICE), torch.zeros(B, cap, dtype=torch.bool,
+                                                                                   device=DEVICE)]
+    want = [x.clone() for x in buffers]
+    table = tri.rope_table(inv_freq, 13, 1.2)
+    new = (tri.rotate_keys_triton(k, pos, 13, 4, table, torch.bfloat16), v, pos, valid)
+    for buf, x, dim in zip(want, new, (2, 2, 1, 1)):
+        buf.index_copy_(dim, columns, x)
+    tri.append_rotated_triton(k, v, pos, valid, columns, 13, 4, table, buffers)
+    for got, expect in zip(buffers, want):
+        assert torch.equal(got, expect)
+    twin = ref.rotate_keys(k, pos, 13, 4, inv_freq, 1.2)
+    torch.testing.assert_close(buffers[0][:, :, start:start + n].float(), twin, atol=1e-5, rtol=8e-3)
+    with pytest.raises(ValueError, match="do not match the cache"):
+        tri.append_rotated_triton(k, v.float(), pos, valid, columns, 13, 4, tri.rope_table(inv_freq, 13, 1.2), buffers)
