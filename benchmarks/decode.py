@@ -10,7 +10,7 @@ did; that adds generate's post-forward host work (sampling, stopping checks) to 
 Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``: a tiny one that runs on a CPU):
 - ``cca``: the exported class (stock ``LlamaForCausalLM`` + ``CCAModelMixin``, the CLI's defaults g=16, s=1024,
   pooling kv, attn_backend auto) with its own ``CCACache``; on CUDA its one-token steps replay CUDA graphs (the
-  default, ``decode_graph.py``) and generate() reads its stopping flag one step late (``cca_hf.defer_stop_checks``).
+  default, ``decode_graph.py``) and generate() reads its stopping flag one step late (``decode_graph.defer_stop_checks``).
 - ``cca-eager``: the same with ``cca_cuda_graphs=False``: every step launched from Python.
 - ``dca``: the DCA export's class (``DCAModelMixin``) on the same weights, with the sizes the CLI gives
   Llama-3.1-8B (c = 131072: C = 98304, w = 16384, temperature off), its ``DCACache``; on CUDA its one-token steps

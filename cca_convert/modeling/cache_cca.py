@@ -622,6 +622,8 @@ class CCACache(Cache):
 
     step_real = None  # (B, 1): the real-token column of a decode step being captured (decode_graph.py), else None
 
+    stop_check_option = "cca_defer_stop_checks"  # (decode_graph.defer_stop_checks)
+
     def __init__(self, config, **kwargs):
         super().__init__(layers=[CCALayerCache(config) for _ in range(config.num_hidden_layers)])
         self.config = config
@@ -670,7 +672,7 @@ class CCACache(Cache):
                     and (layer.slack or not layer.record_past) for layer in self.layers)
                 and bool(self.layers) and self.layers[0].uses_decode_kernels(head_dim))
 
-    def graph_step_allowed(self, real) -> bool:
+    def graph_step_allowed(self, real, extended=False) -> bool:
         return True  # (pad columns in a step are read on the device: any mask replays)
 
     def reserve(self, steps: int):

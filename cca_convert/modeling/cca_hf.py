@@ -15,8 +15,8 @@ MLP/MoE blocks, rotary variants, weight conversions: all transformers' own code 
   replays one-token decode steps from CUDA graphs (``decode_graph.py``; ``cca_cuda_graphs=False`` turns it off),
   captured with ``torch.compile`` twins of the norms and MLPs, Triton few-row products for the linear layers and the
   step's RoPE left to the decode kernel (``cca_compile_decode=False``: the stock code).
-- ``generate()`` reads its stopping flag one step late on CUDA when the cache is CCA's (``defer_stop_checks`` below;
-  ``cca_defer_stop_checks=False`` turns it off).
+- ``generate()`` reads its stopping flag one step late on CUDA when the cache is CCA's (``decode_graph.
+  defer_stop_checks``; ``cca_defer_stop_checks=False`` turns it off).
 
 Settings live in the stock config as ``cca_group_size``, ``cca_local_window``, ``cca_pooling`` and
 ``cca_attn_backend`` ("auto": Triton on CUDA, the PyTorch reference elsewhere; "full": the base model's attention on
@@ -187,47 +187,6 @@ def _no_cache_attention(q_rot, k_rot, k, v, cos, sin, attention_mask, settings, 
 cca_attention_forward = dispatching("cca")
 AttentionInterface.register("cca", cca_attention_forward)
 AttentionMaskInterface.register("cca", flash_attention_mask)  # the 2-D padding mask (or None), as CCA expects
-
-
-def defer_stop_checks(is_supported):
-    """``DeferredStopCheck.is_supported`` that also says yes on CUDA for a CCA cache.
-
-    generate() syncs with the device once per step to read its stopping flag; transformers (5.17-5.23) reads it one
-    step late instead, with the host queueing the next step meanwhile, only on MPS. A replayed CCA step (about 4.7 ms
-    on an H200 at 128K) then waits for ~0.35 ms of generate()'s host work every token (benchmarks/results/
-    decode-generate-h200.md). Deferred, the host runs one step ahead and a stop costs one extra step, whose token
-    transformers drops: the output is the same. A cache that generate() returns (``return_dict_in_generate``, a cache
-    passed in) is told to record its past after the prefill and loses that step again with ``crop``: the CCA cache
-    then takes the speculative slack (``CCALayerCache.activate_past_recording``), so the crop is done in place and the
-    steps stay on CUDA graphs. Other caches, devices and assistant models get transformers' answer."""
-    @functools.wraps(is_supported)
-    def supported(device, cache, cache_is_returned, is_assistant):
-        if (isinstance(cache, CCACache) and torch.device(device).type == "cuda" and not is_assistant
-                and (cache.is_croppable or not cache_is_returned)
-                and getattr(cache.config, "cca_defer_stop_checks", True)):
-            return True
-        return is_supported(device, cache, cache_is_returned, is_assistant)
-
-    supported.__wrapped_for_cca__ = defer_stop_checks  # (how to put it on again: _install_deferred_stop_checks)
-    return supported
-
-
-def _install_deferred_stop_checks():
-    try:
-        from transformers.generation.utils import DeferredStopCheck
-    except ImportError:  # (a transformers without it: every step syncs, as it always did)
-        return
-    wraps, fn = [], DeferredStopCheck.is_supported
-    while hasattr(fn, "__wrapped_for_cca__"):
-        wraps.append(fn.__wrapped_for_cca__)
-        fn = fn.__wrapped__
-    for wrap in reversed(wraps):  # other copies' wrappers (other repos' code) stay; this module's is put on once
-        if wrap.__module__ != __name__:
-            fn = wrap(fn)
-    DeferredStopCheck.is_supported = staticmethod(defer_stop_checks(fn))
-
-
-_install_deferred_stop_checks()
 
 
 class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):

@@ -14,7 +14,9 @@ and ``attention_scaling``; NeoX layout).
 On CUDA, decode steps replay CUDA graphs through CCA's mechanism (``decode_graph.py``; ``dca_cuda_graphs=False``
 turns them off): a step writes its column at a device-side index and the kernel reads the cache's whole buffers,
 ending each row's keys at its query, so a replay needs no host-side length. A step replays when the mask so far is
-pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly.
+pads first and its new column is real (what ``generate()`` passes); anything else runs eagerly. There, as for CCA,
+``generate()`` reads its stopping flag one step late (``decode_graph.defer_stop_checks``; ``dca_defer_stop_checks=
+False`` turns it off), so no step waits for the host.
 """
 
 import torch
@@ -24,17 +26,18 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
-from .decode_graph import GraphDecodeMixin
+from .decode_graph import DEFERRED_TOKENS, GraphDecodeMixin, rope_round_trip, take_unrotated
 from ..kernels.dca_params import check_params
 from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature
 
 try:  # the kernel needs triton; CPU-only installs run the PyTorch twin
-    from ..kernels.dca_triton import dca_attention_triton, rope_table, rotate_keys_triton
+    from ..kernels.dca_triton import append_rotated_triton, dca_attention_triton, rope_table, rotate_keys_triton
 except ImportError:  # pragma: no cover
-    dca_attention_triton = rope_table = rotate_keys_triton = None
+    append_rotated_triton = dca_attention_triton = rope_table = rotate_keys_triton = None
 
 QUERY_BLOCK = 512  # queries per reference call: bounds the (block x keys) score matrices
 SPARE_COLUMNS = 1024  # a cache's room past a prompt (then doubling): appends in place, replays without a re-capture
+STEP_ROOM = 2 * DEFERRED_TOKENS  # columns past the sequence a captured step reserves (DecodeGraphs.capture)
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_ON_CPU = False  # tests: run the Triton kernels on CPU tensors (TRITON_INTERPRET=1), as "auto" does on CUDA
 
@@ -47,7 +50,7 @@ def dca_settings(config) -> tuple[int, int, int]:
     backend = getattr(config, "dca_attn_backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"dca_attn_backend must be one of {BACKENDS}, got {backend!r}")
-    for option in ("dca_cuda_graphs", "dca_compile_decode"):
+    for option in ("dca_cuda_graphs", "dca_compile_decode", "dca_defer_stop_checks"):
         if getattr(config, option, False) not in (True, False):
             raise ValueError(f"{option} must be true or false, got {getattr(config, option)!r}")
     return chunk, local, cfg.get("original_max_position_embeddings") or 0
@@ -62,9 +65,10 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self):
+    def __init__(self, planned: int = 0):
         super().__init__()
         self.buffers, self.length = None, 0  # [keys, values, pos, valid]; seq dim 2, 2, 1, 1
+        self.planned = planned  # columns to allocate at once while the sequence fits (generate()'s length)
         self.version = 0  # bumped whenever a buffer is replaced: a captured step writes the old ones
 
     def lazy_initialization(self, key_states, value_states):
@@ -86,12 +90,24 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
             buf.index_copy_(dim, columns, x)
         self.length += k.shape[2]
 
+    def append_rotated(self, k, v, pos, valid, columns, chunk, local, table):
+        """``append`` of keys not yet rotated (``k``: the pass's keys before RoPE), rotated at ``pos % s`` as they are
+        written: one Triton launch (``append_rotated_triton``) for the five ops of rotating and appending."""
+        like = None if self.buffers is not None else (torch.empty_like(k, dtype=v.dtype), v, pos, valid)
+        self.reserve(self.length + k.shape[2], like=like)
+        append_rotated_triton(k, v, pos, valid, columns, chunk, local, table, self.buffers)
+        self.length += k.shape[2]
+
     def reserve(self, end: int, like=None):
-        """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): grown to ``end`` +
-        ``SPARE_COLUMNS``, then by doubling, so that appends stay O(1) amortised."""
+        """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): the planned length in one
+        allocation while it holds them (a chunked prefill and the decode steps then never copy the cache, nor hold
+        two copies of it); past it, ``end`` + ``SPARE_COLUMNS``, then by doubling, so that appends stay O(1)
+        amortised."""
         if self.buffers is not None and end <= self.buffers[0].shape[2]:
             return
         capacity = max(end + SPARE_COLUMNS, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
+        if end <= self.planned:
+            capacity = self.planned
         grown = []
         for i, (x, dim) in enumerate(zip(like or self.buffers, self._SEQ_DIMS)):
             shape = list(x.shape)
@@ -140,8 +156,14 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
 
 
 class DCACache(Cache):
-    def __init__(self, config):
-        super().__init__(layers=[DCALayerCache() for _ in range(config.num_hidden_layers)])
+    stop_check_option = "dca_defer_stop_checks"  # (decode_graph.defer_stop_checks)
+
+    def __init__(self, config, max_cache_length: int | None = None):
+        """``max_cache_length``: the columns generate() will feed (prompt + new tokens - 1): every layer's buffers
+        are then allocated once at that length, plus the room a captured decode step reserves."""
+        planned = max_cache_length + STEP_ROOM if max_cache_length else 0
+        super().__init__(layers=[DCALayerCache(planned) for _ in range(config.num_hidden_layers)])
+        self.config = config
         self.leading_pads_only = None  # of the whole mask (cache + new tokens), set per step by the model
         self.step = {}  # what the layers of one pass share, set by layer 0; "at": (cache length before, pass length)
         self.columns = None  # (1,) int64 on the device: the next column to write (read and advanced by CUDA graphs)
@@ -170,11 +192,12 @@ class DCACache(Cache):
     # --- what a CUDA-graph decode step (decode_graph.py) needs ----------------------------------------------------
     step_real = None  # (set by DecodeGraphs.capture; a DCA step is captured only with every column real)
 
-    def graph_step_allowed(self, real) -> bool:
+    def graph_step_allowed(self, real, extended=False) -> bool:
         """Whether a step may replay: the kernel reads each row's keys as one run after its leading pads, so every
-        column so far must be pads first (the model checked the mask on its last pass) and every new one real (one
-        small host read of the step's mask column)."""
-        return self.leading_pads_only is True and (real is None or bool(real.all()))
+        column so far must be pads first (the model checked the mask on its last pass) and every new one real:
+        known without a look at the device when generate() made the mask (``extended``: its last mask extended by
+        ones), else one small host read of the step's mask column."""
+        return self.leading_pads_only is True and (real is None or extended or bool(real.all()))
 
     def graphable(self, head_dim: int) -> bool:
         layers = self.layers
@@ -236,19 +259,26 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             step["columns"] = cache.next_columns(q_len, query.device)
     qvalid, qpos = step["qvalid"], step["qpos"]
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
-    q, k = unrope(module, query, key, cos, sin, step["inverse"])
-    kernel = _use_kernel(module.config, query)
-    if kernel:
-        if "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
-            step["qpos32"] = qpos.to(torch.int32)
-        k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
+    if take_unrotated(query, key):  # a captured decode step left the family's RoPE to us (decode_graph._deferring)
+        q, k = rope_round_trip(module, query, key, cos, sin, step["inverse"], value.dtype)
     else:
-        k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
+        q, k = unrope(module, query, key, cos, sin, step["inverse"])
+    kernel = _use_kernel(module.config, query)
+    if kernel and "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
+        step["qpos32"] = qpos.to(torch.int32)
     if layer is not None:
         cache.step = step
-        layer.append(k_rot, value, qpos, qvalid, step["columns"])
+        if kernel:  # rotated and written with the values, positions and validity in one launch
+            layer.append_rotated(k, value, qpos, qvalid, step["columns"], chunk, local, _query_table(rotary, chunk))
+        else:
+            layer.append(rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype),
+                         value, qpos, qvalid, step["columns"])
         k_rot, v, kpos, kvalid = layer.tensors()
     else:
+        if kernel:
+            k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
+        else:
+            k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
         v, kpos, kvalid = value, qpos, qvalid
     out = None
     if kernel:
@@ -321,7 +351,6 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
     method = "dca"
     no_weights = "DCA's kernel forms no attention matrix"
     graph_cache = DCACache  # (what GraphDecodeMixin replays steps of)
-    defers_rope = False  # a captured step keeps the family's RoPE (un-rotated by the attention): eager numbers
 
     def __init__(self, config, *args, **kwargs):
         unprefixed = sorted(set(kwargs) & {"attn_backend", "chunk_size", "local_size", "cuda_graphs"})
@@ -341,7 +370,9 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         cache = model_kwargs.get("past_key_values")
         if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not self.training
                 and cache.get_seq_length() == 0 and self.config._attn_implementation == "dca"):
-            model_kwargs["past_key_values"] = DCACache(self.config)
+            # (generation_mode, batch_size, max_cache_length): the length sizes the buffers once
+            length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+            model_kwargs["past_key_values"] = DCACache(self.config, length if isinstance(length, int) else None)
         return result
 
     def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, output_attentions=None,

@@ -12,8 +12,9 @@ counters the captured Python code advanced once are put back, and advanced by th
 
 While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
 transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op. The
-family's RoPE of the step's q/k is left to the CCA decode kernel, which rotates them as it writes the cache
-(``_deferring``; other RoPE calls run a compiled twin). The
+family's RoPE of the step's q/k is left to the method (``_deferring``; other RoPE calls run a compiled twin): CCA's
+decode kernel rotates them as it writes the cache; DCA, which un-rotates them, runs the RoPE and its inverse as one
+compiled kernel (``rope_round_trip``). The
 linear layers of up to 16 rows run as Triton products (``skinny_triton.py``, ``SkinnyLinears``): one launch for a
 layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. A decoder layer whose
 forward is transformers' pre-norm code (``_prenorm_layer``: Llama's and its copies) adds its residuals in other
@@ -75,7 +76,7 @@ DEFERRED_TOKENS = 32  # the most tokens per row whose RoPE a captured step leave
 # verification pass of speculative decoding: its tokens then round exactly as the one-token steps they stand for)
 
 
-def _deferring(rope):
+def _deferring(rope, stock=None):
     """A family's ``apply_rotary_pos_emb`` (``rope``) that, for a decode step's full-width q/k (one token, or the few of
     a verification pass), leaves them un-rotated: the CCA decode kernel rotates them as it writes the cache, two
     launches fewer per layer. The attention function takes them back with ``take_unrotated``; anything else is
@@ -90,7 +91,27 @@ def _deferring(rope):
         return q, k
 
     call.cca_stock = rope  # what un-rotating code must call (attention_hooks.unrope)
+    call.uncompiled = stock or rope  # (what rope_round_trip compiles with the inverse)
     return call
+
+
+def _round_trip(rope, q, k, cos, sin, icos, isin, dtype):
+    q, k = rope(q, k, cos, sin)
+    q, k = rope(q.float(), k.float(), icos, isin)
+    return q.to(dtype), k
+
+
+def rope_round_trip(module, q, k, cos, sin, inverse, dtype):
+    """What a method that un-rotates the family's RoPE (DCA: ``attention_hooks.unrope``) computes from q/k a captured
+    step left un-rotated (``take_unrotated``): the family's RoPE, then its inverse (``inverse``: ``inverse_rope(cos,
+    sin)``) in fp32, q cast to ``dtype``, in one compiled kernel with eager's roundings instead of ~8 launches. So
+    the step's numbers are the eager step's. Returns (q in ``dtype``, k in fp32)."""
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    stock = getattr(rope, "uncompiled", rope)
+    try:
+        return _compiled(_round_trip)(stock, q, k, cos, sin, *inverse, dtype)
+    except Exception:  # (a family's RoPE Dynamo cannot compile: the same ops, launched one by one)
+        return _round_trip(stock, q, k, cos, sin, *inverse, dtype)
 
 
 class DeferredRopeMismatch(RuntimeError):
@@ -378,7 +399,7 @@ class FusedModules:
                 module._compiled_call_impl = call
             for family, rope in ropes:
                 twin = self._twin(rope)
-                family.apply_rotary_pos_emb = _deferring(twin) if self.defer_rope else twin
+                family.apply_rotary_pos_emb = _deferring(twin, rope) if self.defer_rope else twin
             yield
         finally:
             _UNROTATED.clear()
@@ -524,13 +545,59 @@ class DecodeGraphs:
         return logits
 
 
+def defer_stop_checks(is_supported):
+    """``DeferredStopCheck.is_supported`` that also says yes on CUDA for a method's cache (a cache class with a
+    ``stop_check_option``: the config switch, default on, that it reads from its ``config``).
+
+    generate() syncs with the device once per step to read its stopping flag; transformers (5.17-5.23) reads it one
+    step late instead, with the host queueing the next step meanwhile, only on MPS. A replayed step (about 4.7 ms for
+    CCA on an H200 at 128K) then waits for ~0.35 ms of generate()'s host work every token (benchmarks/results/
+    decode-generate-h200.md). Deferred, the host runs one step ahead and a stop costs one extra step, whose token
+    transformers drops: the output is the same. A cache that generate() returns (``return_dict_in_generate``, a cache
+    passed in) is told to record its past after the prefill and loses that step again with ``crop``, done in place by
+    both methods' caches (CCA's takes its speculative slack), so the steps stay on CUDA graphs. Other caches, devices
+    and assistant models get transformers' answer."""
+    @functools.wraps(is_supported)
+    def supported(device, cache, cache_is_returned, is_assistant):
+        option = getattr(cache, "stop_check_option", None)
+        if (option is not None and torch.device(device).type == "cuda" and not is_assistant
+                and (cache.is_croppable or not cache_is_returned)
+                and getattr(getattr(cache, "config", None), option, True)):
+            return True
+        return is_supported(device, cache, cache_is_returned, is_assistant)
+
+    supported.__wrapped_for_graph_decode__ = defer_stop_checks  # (how to put it on again: install_deferred_stop_checks)
+    return supported
+
+
+def install_deferred_stop_checks():
+    """Wrap ``DeferredStopCheck.is_supported`` with this module's ``defer_stop_checks``, once: a reload of this
+    module replaces its wrapper; other copies' wrappers (another repo's modeling files) stay."""
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:  # (a transformers without it: every step syncs, as it always did)
+        return
+    wraps, fn = [], DeferredStopCheck.is_supported
+    while hasattr(fn, "__wrapped_for_graph_decode__"):
+        wraps.append(fn.__wrapped_for_graph_decode__)
+        fn = fn.__wrapped__
+    for wrap in reversed(wraps):
+        if wrap.__module__ != __name__:
+            fn = wrap(fn)
+    DeferredStopCheck.is_supported = staticmethod(defer_stop_checks(fn))
+
+
+install_deferred_stop_checks()
+
+
 class GraphDecodeMixin:
     """What a method's model class (``CCAModelMixin``, ``DCAModelMixin``) shares to decode from CUDA graphs: its
     ``forward`` calls ``_replayed_decode`` for a step on its cache (``graph_cache``), which replays the step captured
     for this shape or captures it (``DecodeGraphs``, with ``FusedModules``' twins). The cache supplies what a replay
     needs: ``state_version``, ``host_counters`` / ``set_host_counters``, ``advance``, ``reserve``, ``replay_limit``,
-    ``token_steps``, ``graphable``, ``graph_step_allowed``, ``step_real`` and its first layer's ``max_seen``. Config
-    switches: ``<method>_cuda_graphs`` and ``<method>_compile_decode`` (default on)."""
+    ``token_steps``, ``graphable``, ``graph_step_allowed(real, extended)``, ``step_real``, its first layer's
+    ``max_seen`` and its ``stop_check_option``. Config switches: ``<method>_cuda_graphs``, ``<method>_compile_decode``
+    and ``<method>_defer_stop_checks`` (default on)."""
 
     graph_cache = None  # the method's cache class
     defers_rope = True  # a captured step leaves the family's RoPE of q/k to the method's decode kernel
@@ -558,6 +625,8 @@ class GraphDecodeMixin:
             inputs["position_ids"] = positions
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
+            # generate() made it: its last one extended by a column of ones (the cache may skip reading it)
+            past_key_values.__dict__["extended_mask"] = attention_mask
         inputs.update(kwargs)
         return inputs
 
@@ -569,7 +638,9 @@ class GraphDecodeMixin:
     def _replayed_decode(self, cache, kwargs):
         """The logits of a one-token step (or a verification pass of speculative decoding, ``cache.token_steps()``)
         replayed from a CUDA graph, or None where this step runs eagerly."""
-        ids = kwargs.get("input_ids")
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        held = vars(cache).pop("extended_mask", None) if hasattr(cache, "__dict__") else None
+        extended = held is not None and held is mask  # generate()'s mask (prepare_inputs_for_generation)
         # Checked on every step, before the launch, while the device idles: cheap tests only (the rest on capture).
         if (ids is None or ids.dim() != 2 or not ids.is_cuda or self.training
                 or torch.is_grad_enabled() or not isinstance(cache, self.graph_cache)
@@ -583,9 +654,9 @@ class GraphDecodeMixin:
         if n > 1 and keep is not None and not isinstance(keep, int):
             return None  # (logits of chosen positions: the stock forward picks them)
         keep = n if not keep or keep > n else keep  # (logits of the last ``keep`` tokens; a step's graph has all n)
-        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        positions = kwargs.get("position_ids")
         real = None if mask is None else mask[:, -n:]  # the graph reads the pad columns on the device
-        if not cache.graph_step_allowed(real):
+        if not cache.graph_step_allowed(real, extended):
             return None
         if positions is None:  # every row's positions continue from the cache's length: written in place on a replay
             positions = cache.get_seq_length()

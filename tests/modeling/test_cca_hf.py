@@ -13,6 +13,7 @@ import transformers
 
 from cca_convert.families import FAMILIES as TABLE
 from cca_convert.modeling import cca_hf as hf
+from cca_convert.modeling import decode_graph
 from tests.support.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
 
 
@@ -225,13 +226,13 @@ def test_generate_defers_its_stop_checks_for_a_cca_cache_on_cuda():
         hf.check_settings(transformers.LlamaConfig(cca_defer_stop_checks="no"))
 
     def depth(fn):
-        return 0 if not hasattr(fn, "__wrapped_for_cca__") else 1 + depth(fn.__wrapped__)
+        return 0 if not hasattr(fn, "__wrapped_for_graph_decode__") else 1 + depth(fn.__wrapped__)
 
     before = depth(DeferredStopCheck.is_supported)
-    hf._install_deferred_stop_checks()
-    hf._install_deferred_stop_checks()
+    decode_graph.install_deferred_stop_checks()
+    decode_graph.install_deferred_stop_checks()
     assert depth(DeferredStopCheck.is_supported) == before >= 1
-    assert DeferredStopCheck.is_supported.__wrapped_for_cca__ is hf.defer_stop_checks
+    assert DeferredStopCheck.is_supported.__wrapped_for_graph_decode__ is decode_graph.defer_stop_checks
 
 
 def test_the_model_holds_no_cache_after_generate():

@@ -163,8 +163,8 @@ def kernel_vs_reference(family, dtype, c_orig, device, steps=30, new_tokens=40):
 
 @pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
 def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch):
-    """The model's kernel path (the Triton attention, key rotation and split merge, the per-pass shared state) run on
-    CPU tensors by Triton's interpreter: what CI can check of what a GPU runs."""
+    """The model's kernel path (the Triton attention, the key rotation fused with the cache writes, the split merge,
+    the per-pass shared state) run on CPU tensors by Triton's interpreter: what CI can check of what a GPU runs."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -181,6 +181,7 @@ def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch)
 
     monkeypatch.setattr(shim, "dca_attention_triton", spy("attention", shim.dca_attention_triton))
     monkeypatch.setattr(shim, "rotate_keys_triton", spy("keys", shim.rotate_keys_triton))
+    monkeypatch.setattr(shim, "append_rotated_triton", spy("keys", shim.append_rotated_triton))
     model = kernel_vs_reference("llama", torch.float32, c_orig, "cpu", steps=6, new_tokens=8)
     layers = model.config.num_hidden_layers
     assert calls["attention"] >= 10 * layers and calls["keys"] == calls["attention"], calls
@@ -250,8 +251,10 @@ def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
     runs = {}
     for graphs in (False, True):
         model.config.dca_cuda_graphs = graphs
+        # a cache of the caller's: not sized by generate(), so its buffers grow (SPARE_COLUMNS) while it decodes
         out = model.generate(x, attention_mask=mask, max_new_tokens=90, do_sample=False, pad_token_id=0, use_cache=True,
-                             eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+                             eos_token_id=None, return_dict_in_generate=True, output_scores=True,
+                             past_key_values=hf.DCACache(model.config))
         runs[graphs] = (out, out.past_key_values.__dict__.get("decode_graphs"))
     (eager, none), (graphed, record) = runs[False], runs[True]
     assert none is None and record.failure is None and record.replays >= 60, (record.failures, record.replays)
@@ -263,3 +266,105 @@ def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
         full_mask = torch.cat([mask, torch.ones_like(graphed.sequences[:, 60:])], 1)
         full = model(graphed.sequences, attention_mask=full_mask, use_cache=False).logits[:, 59:-1].float()
         torch.testing.assert_close(torch.stack(graphed.scores, 1).float(), full, **tol)
+
+
+def test_generate_defers_its_stop_checks_for_a_dca_cache_on_cuda():
+    """transformers' ``DeferredStopCheck.is_supported`` says yes for a DCA cache on CUDA (its crop is done in place),
+    as for CCA's (``decode_graph.defer_stop_checks``); not elsewhere, not for an assistant, not with the option off."""
+    from transformers.generation.utils import DeferredStopCheck
+
+    _, model = stock_and_dca("llama")
+    cache, cuda = hf.DCACache(model.config), torch.device("cuda")
+    supported = DeferredStopCheck.is_supported
+    assert supported(cuda, cache, False, is_assistant=False) and supported(cuda, cache, True, is_assistant=False)
+    assert not supported(cuda, cache, False, is_assistant=True)
+    assert not supported(torch.device("cpu"), cache, False, is_assistant=False)
+    model.config.dca_defer_stop_checks = False
+    assert not supported(cuda, cache, False, is_assistant=False)
+    config = copy.deepcopy(model.config)
+    config.dca_defer_stop_checks = "no"
+    with pytest.raises(ValueError, match="dca_defer_stop_checks must be true or false"):
+        type(model)(config)
+
+
+@torch.no_grad()
+def test_a_generate_step_may_replay_without_reading_its_mask_column():
+    """A step's new mask column must be real for a DCA step to replay. When generate() made the mask (its last one
+    extended by ones: the one-token path of ``prepare_inputs_for_generation`` marks it) the cache knows without a
+    device read; any other mask is read, and a pad column keeps the step eager."""
+    _, model = stock_and_dca("llama")
+    x = ids(bsz=2, length=20)
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0
+    cache = model(x, attention_mask=mask, use_cache=True).past_key_values
+    assert cache.leading_pads_only is True
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    inputs = model.prepare_inputs_for_generation(torch.cat([x, x[:, :1]], 1), next_sequence_length=1,
+                                                 past_key_values=cache, attention_mask=step_mask, use_cache=True)
+    assert inputs["attention_mask"] is step_mask and vars(cache)["extended_mask"] is step_mask
+    pad_column = torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)
+    assert cache.graph_step_allowed(step_mask[:, -1:], extended=True)
+    assert cache.graph_step_allowed(step_mask[:, -1:]) and not cache.graph_step_allowed(pad_column[:, -1:])
+    model(inputs["input_ids"], attention_mask=step_mask, past_key_values=cache)  # (CPU: eager; the mark is taken)
+    assert "extended_mask" not in vars(cache)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
+    """On CUDA, generate() with a DCA cache reads its stopping flag one step late while its steps replay CUDA graphs
+    without reading their mask columns; the tokens are those of the per-step sync, stopped by length and by EOS,
+    with the cache dropped or handed back (the step run past the stop cropped in place)."""
+    from transformers.generation import utils as generation
+
+    checks, extended = [], []
+    deferred_call, allowed = generation.DeferredStopCheck.__call__, hf.DCACache.graph_step_allowed
+    monkeypatch.setattr(generation.DeferredStopCheck, "__call__",
+                        lambda self, *a: checks.append(1) or deferred_call(self, *a))
+    monkeypatch.setattr(hf.DCACache, "graph_step_allowed",
+                        lambda self, real, ext=False: extended.append(ext) or allowed(self, real, ext))
+    _, model = stock_and_dca("llama")
+    model = model.to("cuda")
+    x = ids(length=40).cuda()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, use_cache=True, max_new_tokens=30)
+
+    def generate(defer, **more):
+        model.config.dca_defer_stop_checks = defer
+        checks.clear(), extended.clear()
+        return model.generate(x, **kw, **more)
+
+    plain = generate(False, eos_token_id=None, return_dict_in_generate=True)
+    assert not checks and plain.past_key_values.decode_graphs.replays >= 25 and all(extended[1:])
+    plain = plain.sequences
+    out = generate(True, eos_token_id=None, return_dict_in_generate=True)
+    assert len(checks) >= 29 and out.past_key_values.decode_graphs.replays >= 25
+    assert torch.equal(out.sequences, plain)
+    eos = [int(plain[0, 40 + 6]), int(plain[1, 40 + 9])]  # each row stops by its 10th new token
+    synced = generate(False, eos_token_id=eos)
+    assert torch.equal(generate(True, eos_token_id=eos), synced)
+    out = generate(True, eos_token_id=eos, return_dict_in_generate=True)
+    assert checks and torch.equal(out.sequences, synced)
+    assert out.past_key_values.get_seq_length() == synced.shape[1] - 1  # every token but the last one fed
+
+
+@torch.no_grad()
+def test_generate_sizes_the_cache_once():
+    """generate() knows how long the sequence gets: the DCA cache it creates allocates every layer's buffers once at
+    that length plus a captured step's room (no doubling, no copy, no second buffer during a chunked prefill);
+    past the plan the buffers grow as for any other cache."""
+    _, model = stock_and_dca("llama")
+    x = ids(bsz=2, length=30)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         use_cache=True, eos_token_id=None, return_dict_in_generate=True, prefill_chunk_size=8)
+    cache = out.past_key_values
+    assert isinstance(cache, hf.DCACache) and cache.get_seq_length() == 30 + 12 - 1
+    assert all(layer.buffers[0].shape[2] == 30 + 12 - 1 + hf.STEP_ROOM for layer in cache.layers)
+    assert all(layer.version == 1 for layer in cache.layers)  # one allocation per layer
+    assert torch.equal(out.sequences, model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12,
+                                                     do_sample=False, pad_token_id=0, use_cache=True,
+                                                     eos_token_id=None, past_key_values=hf.DCACache(model.config)))
+    layer = cache.layers[0]
+    layer.reserve(layer.planned + 1)
+    assert layer.buffers[0].shape[2] == layer.planned + 1 + hf.SPARE_COLUMNS and layer.version == 2

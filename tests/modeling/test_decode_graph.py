@@ -249,7 +249,7 @@ def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
     # the capture then keeps the rotation in transformers (defer_rope off) and redoes the step
     deferring = decode_graph._deferring
     monkeypatch.setattr(decode_graph, "_deferring",
-                        lambda rope: lambda *a, **kw: tuple(t.clone() for t in deferring(rope)(*a, **kw)))
+                        lambda rope, stock=None: lambda *a, **kw: tuple(t.clone() for t in deferring(rope)(*a, **kw)))
     third = model(x, attention_mask=mask[:, :13], use_cache=True).past_key_values
     seen = [layer.seen.clone() for layer in third.layers]
     fused = decode_graph.FusedModules(model)
@@ -391,7 +391,7 @@ def test_gpu_twins_survive_many_batch_sizes_of_a_q_k_norm_family():
 @torch.no_grad()
 def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
     """On CUDA, generate() with a CCA cache it drops reads its stopping flag one step late (transformers'
-    DeferredStopCheck, ``cca_hf.defer_stop_checks``) while the steps replay CUDA graphs. The tokens are those of the
+    DeferredStopCheck, ``decode_graph.defer_stop_checks``) while the steps replay CUDA graphs. The tokens are those of the
     per-step sync: stopped by length, and by EOS (the step run past the stop is dropped), with left padding, with
     the cache dropped or handed back."""
     from transformers.generation import utils as generation
