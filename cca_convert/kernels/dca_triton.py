@@ -83,8 +83,7 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
              Hkv, Lq, Lk, REP, N_CHUNKS, S_LEN, CHUNK, SPLIT_COLS,
              SPLIT_BY_SPAN: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-             WS: tl.constexpr):
+             BLOCK_N: tl.constexpr, HP: tl.constexpr, BMP: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     pid_bh, pid_s = tl.program_id(0), tl.program_id(2)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest row tiles first: the tail of the grid is short
     chunk = pid_bh % N_CHUNKS
@@ -161,7 +160,7 @@ def _dca_fwd(Q, K, V, K_DESC, V_DESC, O, LSE, QPOS, KSTART, ROPE, TEMP, qk_scale
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
                                       stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, True, HEAD_DIM == BLOCK_D,
                                       PREC, TMA)
-            for n0 in tl.range(inner_lo, inner_hi, BLOCK_N, warp_specialize=WS):
+            for n0 in range(inner_lo, inner_hi, BLOCK_N):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, K_DESC, V_DESC, b, g, n0, lo, hi, Lk,
                                       stride_kn, stride_vn, d, dmask, BLOCK_N, BLOCK_D, False, HEAD_DIM == BLOCK_D,
                                       PREC, TMA)
@@ -250,7 +249,6 @@ def _rotate_keys(K, OUT, KPOS, ROPE, COLS, V, V_OUT, POS_OUT, VALID, VALID_OUT,
 _CONFIGS = {"prefill": (128, 128, 8, 3), "decode": (16, 64, 4, 3), "decode_wide": (16, 128, 4, 3),
             "fp32": (64, 32, 4, 1), "interpret": (16, 16, 4, 1)}
 _WIDE_SPLIT = 8192
-_WARP_SPECIALIZE = False  # prefill's unmasked key tiles in a warp-specialized loop (Hopper+; benchmarks/dca.py)
 _MIN_ROWS_PER_HEAD = 128  # prefill: one query head per tile (stacking two 64-row heads measured no faster)
 # decode (flash-decoding): key columns split until there are _DECODE_WAVES programs per SM, at most one split per
 # _SPLIT_COLUMNS columns (512: 25.1 -> 18.8 us at 8K, batch 1; the same splits as 1024 from 16K on)
@@ -389,7 +387,6 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         SPLIT_BY_SPAN=by_span,
         HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=inv_freq.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
         HP=hp, BMP=bmp, PREC="ieee" if dtype == torch.float32 else "tf32", TMA=use_tma,
-        WS=_WARP_SPECIALIZE and use_tma and q_len * rep > 16,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
