@@ -71,3 +71,39 @@ def test_every_readme_command_that_needs_no_download_runs(tmp_path):
 ])
 def test_what_counts_as_needing_no_download(line, expect):
     assert runnable(line) is expect
+
+
+def readme_benchmark_commands() -> list[str]:
+    """The README's ``python benchmarks/NAME.py ...`` commands (in code spans and shell blocks)."""
+    text = (REPO / "README.md").read_text()
+    found = re.findall(r"python (benchmarks/\w+\.py(?: [^`\n#]*)?)", text)
+    return sorted({line.strip() for line in found})
+
+
+class _Parsed(Exception):
+    pass
+
+
+def test_every_readme_benchmark_command_parses(monkeypatch):
+    """Each benchmark command the README shows names a script that exists and flags its parser accepts (parsed by
+    the script's own ``main``, stopped right after ``parse_args``: nothing is run): a renamed or dropped flag fails
+    here, not in a reader's shell."""
+    import argparse
+    import importlib
+
+    commands = readme_benchmark_commands()
+    assert len(commands) >= 5, commands
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    for line in commands:
+        script, *args = shlex.split(line)
+        assert (REPO / script).is_file(), line
+        module = importlib.import_module(script[:-3].replace("/", "."))
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with pytest.raises(_Parsed):
+            module.main()
