@@ -288,7 +288,7 @@ def test_generate_defers_its_stop_checks_for_a_dca_cache_on_cuda():
 
 
 @torch.no_grad()
-def test_a_generate_step_may_replay_without_reading_its_mask_column():
+def test_a_generate_step_may_replay_without_reading_its_mask_column(monkeypatch):
     """A step's new mask column must be real for a DCA step to replay. When generate() made the mask (its last one
     extended by ones: the one-token path of ``prepare_inputs_for_generation`` marks it) the cache knows without a
     device read; any other mask is read, and a pad column keeps the step eager."""
@@ -307,6 +307,17 @@ def test_a_generate_step_may_replay_without_reading_its_mask_column():
     assert cache.graph_step_allowed(step_mask[:, -1:]) and not cache.graph_step_allowed(pad_column[:, -1:])
     model(inputs["input_ids"], attention_mask=step_mask, past_key_values=cache)  # (CPU: eager; the mark is taken)
     assert "extended_mask" not in vars(cache)
+    # in generate(), each step's mask reaches the replay check as the object prepare_inputs_for_generation marked
+    marked, replayed = [], type(model)._replayed_decode
+
+    def spy(self, cache, kwargs):
+        marked.append(vars(cache).get("extended_mask") is kwargs.get("attention_mask") is not None)
+        return replayed(self, cache, kwargs)
+
+    monkeypatch.setattr(type(model), "_replayed_decode", spy)
+    model.generate(x, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True,
+                   eos_token_id=None)
+    assert marked == [True] * 4, marked
 
 
 @pytest.mark.gpu
