@@ -65,10 +65,11 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, planned: int = 0):
+    def __init__(self, plan: dict | None = None):
         super().__init__()
         self.buffers, self.length = None, 0  # [keys, values, pos, valid]; seq dim 2, 2, 1, 1
-        self.planned = planned  # columns to allocate at once while the sequence fits (generate()'s length)
+        # columns to allocate at once while the sequence fits (generate()'s length), shared by the cache's layers
+        self.plan = plan if plan is not None else {"columns": 0, "layers": 1, "checked": True}
         self.version = 0  # bumped whenever a buffer is replaced: a captured step writes the old ones
 
     def lazy_initialization(self, key_states, value_states):
@@ -90,6 +91,23 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
             buf.index_copy_(dim, columns, x)
         self.length += k.shape[2]
 
+    @property
+    def planned(self) -> int:
+        return self.plan["columns"]
+
+    def _check_plan(self, like):
+        """Once per cache, at its first allocation: the plan holds only if every layer's buffers at the planned length
+        fit in the device's free memory (a generation_config's large ``max_length`` with a short output must not
+        allocate what the output never uses); otherwise the buffers grow with the sequence."""
+        plan = self.plan
+        if plan["checked"]:
+            return
+        plan["checked"] = True
+        free = free_bytes(like[0].device)
+        per_column = sum(x.numel() // x.shape[dim] * x.element_size() for x, dim in zip(like, self._SEQ_DIMS))
+        if free is not None and per_column * plan["columns"] * plan["layers"] > free:
+            plan["columns"] = 0
+
     def append_rotated(self, k, v, pos, valid, columns, chunk, local, table):
         """``append`` of keys not yet rotated (``k``: the pass's keys before RoPE), rotated at ``pos % s`` as they are
         written: one Triton launch (``append_rotated_triton``) for the five ops of rotating and appending."""
@@ -105,6 +123,8 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
         amortised."""
         if self.buffers is not None and end <= self.buffers[0].shape[2]:
             return
+        if self.buffers is None:
+            self._check_plan(like)
         capacity = max(end + SPARE_COLUMNS, 2 * (self.buffers[0].shape[2] if self.buffers else 0))
         if end <= self.planned:
             capacity = self.planned
@@ -161,8 +181,10 @@ class DCACache(Cache):
     def __init__(self, config, max_cache_length: int | None = None):
         """``max_cache_length``: the columns generate() will feed (prompt + new tokens - 1): every layer's buffers
         are then allocated once at that length, plus the room a captured decode step reserves."""
-        planned = max_cache_length + STEP_ROOM if max_cache_length else 0
-        super().__init__(layers=[DCALayerCache(planned) for _ in range(config.num_hidden_layers)])
+        layers = config.num_hidden_layers
+        plan = {"columns": max_cache_length + STEP_ROOM if max_cache_length else 0, "layers": layers,
+                "checked": not max_cache_length}
+        super().__init__(layers=[DCALayerCache(plan) for _ in range(layers)])
         self.config = config
         self.leading_pads_only = None  # of the whole mask (cache + new tokens), set per step by the model
         self.step = {}  # what the layers of one pass share, set by layer 0; "at": (cache length before, pass length)
@@ -306,6 +328,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                     rotary.inv_freq, scaling, c_orig, rotary.attention_scaling, keys_rotated=True,
                                     block=QUERY_BLOCK)
     return out.to(value.dtype).transpose(1, 2), None
+
+
+def free_bytes(device) -> int | None:
+    """Memory a new allocation can take on ``device``: the driver's free bytes plus the caching allocator's reserved
+    but unused ones; None (no limit known) off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _query_table(rotary, chunk):

@@ -361,10 +361,11 @@ def test_gpu_generate_defers_its_stop_checks_with_the_same_tokens(monkeypatch):
 
 
 @torch.no_grad()
-def test_generate_sizes_the_cache_once():
+def test_generate_sizes_the_cache_once(monkeypatch):
     """generate() knows how long the sequence gets: the DCA cache it creates allocates every layer's buffers once at
     that length plus a captured step's room (no doubling, no copy, no second buffer during a chunked prefill);
-    past the plan the buffers grow as for any other cache."""
+    past the plan the buffers grow as for any other cache, and so they do from the start when the planned buffers
+    would not fit in the device's free memory (a large max_length, a short output)."""
     _, model = stock_and_dca("llama")
     x = ids(bsz=2, length=30)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, pad_token_id=0,
@@ -379,3 +380,10 @@ def test_generate_sizes_the_cache_once():
     layer = cache.layers[0]
     layer.reserve(layer.planned + 1)
     assert layer.buffers[0].shape[2] == layer.planned + 1 + hf.SPARE_COLUMNS and layer.version == 2
+    per_layer = sum(x.numel() * x.element_size() for x in cache.layers[1].buffers)  # at 30 + 11 + STEP_ROOM columns
+    for free, planned in ((per_layer * model.config.num_hidden_layers, True), (per_layer, False)):
+        monkeypatch.setattr(hf, "free_bytes", lambda device, free=free: free)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                             pad_token_id=0, use_cache=True, eos_token_id=None, return_dict_in_generate=True)
+        capacity = out.past_key_values.layers[0].buffers[0].shape[2]
+        assert capacity == (30 + 11 + hf.STEP_ROOM if planned else 30 + hf.SPARE_COLUMNS), (free, capacity)
