@@ -215,9 +215,9 @@ whenever gradients are needed, a PyTorch reference runs). `attn_implementation="
 plain RoPE attention with the same weights, for A/B comparisons. On CUDA, `generate()` replays each one-token decode
 step from a CUDA graph (captured on the first step, with the model's norms and MLPs compiled by `torch.compile` and
 its linear layers run as Triton few-row products; the first steps take seconds longer), sizes the cache once for the
-whole sequence, and reads its stopping flag one step late (the output is the same). `dca_cuda_graphs=False` at load
-time decodes eagerly, `dca_compile_decode=False` captures the stock code, `dca_defer_stop_checks=False` keeps
-generate()'s per-step sync.
+whole sequence where that fits in free memory, and reads its stopping flag one step late (the output is the same).
+`dca_cuda_graphs=False` at load time decodes eagerly, `dca_compile_decode=False` captures the stock code,
+`dca_defer_stop_checks=False` keeps generate()'s per-step sync.
 
 {extra}
 ## Recipe
