@@ -4,6 +4,7 @@ Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, 
 default for an 8K-trained Llama 3 (c = 8192: chunk_size C = 6144, local_size w = 1024, chunk length s = 5120).
   python benchmarks/dca.py --out benchmarks/results                  # prefill 32K/128K, decode 32K/128K
   python benchmarks/dca.py --model --model-lengths 32768,131072      # + whole-model generate() decode
+  python benchmarks/dca.py --decode-sweep --decode-lengths 8192,32768,131072 --decode-batches 1,16   # decode tiles
 
 Conventions
 - Median of triton.testing.do_bench, one forward call. DCA has the same FLOPs as causal attention (every query sees
