@@ -239,9 +239,10 @@ def test_cuda_graphs_option_is_checked():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @torch.no_grad()
 def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
-    """generate() with CUDA-graph steps (the default; ``dca_cuda_graphs=False``: eager) gives eager's scores (fp32:
-    and tokens) on a left-padded batch, across chunk boundaries and buffer growths (each a new capture), with most
-    steps replayed; without the temperature its steps' logits are the no-cache forward's."""
+    """generate() with CUDA-graph steps (the default; ``dca_cuda_graphs=False``: eager) gives eager's scores (bf16:
+    bit for bit; fp32: within 1e-5) and tokens on a left-padded batch, across chunk boundaries and buffer growths
+    (each a new capture), with most steps replayed; without the temperature its steps' logits are the no-cache
+    forward's."""
     monkeypatch.setattr(hf, "SPARE_COLUMNS", 16)  # the buffers grow every few steps: re-captures
     _, model = stock_and_dca(family, original_max_position_embeddings=c_orig)
     model = model.to("cuda", dtype)
@@ -258,10 +259,12 @@ def test_gpu_graph_decode_equals_eager(family, dtype, c_orig, monkeypatch):
         runs[graphs] = (out, out.past_key_values.__dict__.get("decode_graphs"))
     (eager, none), (graphed, record) = runs[False], runs[True]
     assert none is None and record.failure is None and record.replays >= 60, (record.failures, record.replays)
+    if dtype == torch.bfloat16:  # eager's operations with eager's roundings (fused RoPE round trip included)
+        assert torch.equal(torch.stack(graphed.scores), torch.stack(eager.scores))
+    else:  # (fp32: fused kernels may contract to FMAs; 1.8e-7 to 3.0e-7 measured on an H200)
+        torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), atol=1e-5, rtol=1e-5)
+    assert torch.equal(graphed.sequences, eager.sequences)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(torch.stack(graphed.scores).float(), torch.stack(eager.scores).float(), **tol)
-    if dtype == torch.float32:
-        assert torch.equal(graphed.sequences, eager.sequences)
     if not c_orig:  # decode == prefill
         full_mask = torch.cat([mask, torch.ones_like(graphed.sequences[:, 60:])], 1)
         full = model(graphed.sequences, attention_mask=full_mask, use_cache=False).logits[:, 59:-1].float()
