@@ -338,11 +338,12 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     k_rot = k_rot if k_rot.stride(-1) == 1 else k_rot.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     if q.device.type != "cuda":
-        block_m, block_n, warps, stages = _CONFIGS["interpret"]
+        config = "interpret"
     elif dtype == torch.float32:
-        block_m, block_n, warps, stages = _CONFIGS["fp32"]
+        config = "fp32"
     else:
-        block_m, block_n, warps, stages = _CONFIGS["decode" if q_len * rep <= 16 else "prefill"]
+        config = "decode" if q_len * rep <= 16 else "prefill"
+    block_m, block_n, warps, stages = _CONFIGS[config]
     if q_len * rep <= block_m:  # decode / short passes: every query head of the group in one tile
         hp = min(rep, block_m)
         bmp = block_m // hp
@@ -356,7 +357,7 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
         sms = _sm_count(q.device)
         splits = max(1, min(triton.cdiv(_DECODE_WAVES * sms, programs), triton.cdiv(k_len, _SPLIT_COLUMNS)))
     split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
-    if (block_m, block_n, warps, stages) == _CONFIGS["decode"] and split_cols >= _WIDE_SPLIT:
+    if config == "decode" and split_cols >= _WIDE_SPLIT:
         block_m, block_n, warps, stages = _CONFIGS["decode_wide"]
         split_cols = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
     by_span = split_by_span and q_len * rep <= 16 and splits > 1
