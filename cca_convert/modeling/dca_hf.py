@@ -288,19 +288,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     kernel = _use_kernel(module.config, query)
     if kernel and "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
         step["qpos32"] = qpos.to(torch.int32)
+    if layer is not None and kernel:  # rotated and written with the values, positions and validity in one launch
+        layer.append_rotated(k, value, qpos, qvalid, step["columns"], chunk, local, _query_table(rotary, chunk))
+    elif kernel:
+        k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
+    else:
+        k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
     if layer is not None:
         cache.step = step
-        if kernel:  # rotated and written with the values, positions and validity in one launch
-            layer.append_rotated(k, value, qpos, qvalid, step["columns"], chunk, local, _query_table(rotary, chunk))
-        else:
-            layer.append(rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype),
-                         value, qpos, qvalid, step["columns"])
+        if not kernel:
+            layer.append(k_rot, value, qpos, qvalid, step["columns"])
         k_rot, v, kpos, kvalid = layer.tensors()
     else:
-        if kernel:
-            k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
-        else:
-            k_rot = rotate_keys(k, qpos, chunk, local, rotary.inv_freq, rotary.attention_scaling).to(value.dtype)
         v, kpos, kvalid = value, qpos, qvalid
     out = None
     if kernel:
