@@ -76,7 +76,7 @@ DEFERRED_TOKENS = 32  # the most tokens per row whose RoPE a captured step leave
 # verification pass of speculative decoding: its tokens then round exactly as the one-token steps they stand for)
 
 
-def _deferring(rope, stock=None):
+def _deferring(rope, stock=None, round_trip=None):
     """A family's ``apply_rotary_pos_emb`` (``rope``) that, for a decode step's full-width q/k (one token, or the few of
     a verification pass), leaves them un-rotated: the CCA decode kernel rotates them as it writes the cache, two
     launches fewer per layer. The attention function takes them back with ``take_unrotated``; anything else is
@@ -91,7 +91,7 @@ def _deferring(rope, stock=None):
         return q, k
 
     call.cca_stock = rope  # what un-rotating code must call (attention_hooks.unrope)
-    call.uncompiled = stock or rope  # (what rope_round_trip compiles with the inverse)
+    call.uncompiled, call.round_trip = stock or rope, round_trip or _round_trip  # (for rope_round_trip)
     return call
 
 
@@ -104,14 +104,10 @@ def _round_trip(rope, q, k, cos, sin, icos, isin, dtype):
 def rope_round_trip(module, q, k, cos, sin, inverse, dtype):
     """What a method that un-rotates the family's RoPE (DCA: ``attention_hooks.unrope``) computes from q/k a captured
     step left un-rotated (``take_unrotated``): the family's RoPE, then its inverse (``inverse``: ``inverse_rope(cos,
-    sin)``) in fp32, q cast to ``dtype``, in one compiled kernel with eager's roundings instead of ~8 launches. So
-    the step's numbers are the eager step's. Returns (q in ``dtype``, k in fp32)."""
+    sin)``) in fp32, q cast to ``dtype``, as one ``FusedModules`` twin with eager's roundings instead of ~8 launches.
+    So the step's numbers are the eager step's. Returns (q in ``dtype``, k in fp32)."""
     rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    stock = getattr(rope, "uncompiled", rope)
-    try:
-        return _compiled(_round_trip)(stock, q, k, cos, sin, *inverse, dtype)
-    except Exception:  # (a family's RoPE Dynamo cannot compile: the same ops, launched one by one)
-        return _round_trip(stock, q, k, cos, sin, *inverse, dtype)
+    return getattr(rope, "round_trip", _round_trip)(getattr(rope, "uncompiled", rope), q, k, cos, sin, *inverse, dtype)
 
 
 class DeferredRopeMismatch(RuntimeError):
@@ -399,7 +395,8 @@ class FusedModules:
                 module._compiled_call_impl = call
             for family, rope in ropes:
                 twin = self._twin(rope)
-                family.apply_rotary_pos_emb = _deferring(twin, rope) if self.defer_rope else twin
+                family.apply_rotary_pos_emb = (_deferring(twin, rope, self._twin(_round_trip)) if self.defer_rope
+                                               else twin)
             yield
         finally:
             _UNROTATED.clear()

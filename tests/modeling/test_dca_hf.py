@@ -390,3 +390,33 @@ def test_generate_sizes_the_cache_once(monkeypatch):
                              pad_token_id=0, use_cache=True, eos_token_id=None, return_dict_in_generate=True)
         capacity = out.past_key_values.layers[0].buffers[0].shape[2]
         assert capacity == (30 + 11 + hf.STEP_ROOM if planned else 30 + hf.SPARE_COLUMNS), (free, capacity)
+
+
+@torch.no_grad()
+def test_a_step_being_captured_takes_the_familys_rope_back_as_eager_computes_it(monkeypatch):
+    """Under ``FusedModules.active()`` (a step being captured) the family's RoPE leaves a DCA step's q/k un-rotated
+    and the attention runs the RoPE and its inverse as one twin (``rope_round_trip``): the stock step's logits and
+    cache, on a left-padded batch."""
+    from cca_convert.modeling import decode_graph
+
+    if not decode_graph.EAGER_ROPE_DTYPES:
+        pytest.skip("without triton nothing is captured, so no RoPE is deferred")
+    calls = []
+    round_trip = hf.rope_round_trip
+    monkeypatch.setattr(hf, "rope_round_trip", lambda *a: calls.append(1) or round_trip(*a))
+    _, model = stock_and_dca("llama")
+    x = ids(bsz=2, length=20)
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :4] = 0
+    cache, other = (model(x, attention_mask=mask[:, :20], use_cache=True).past_key_values for _ in range(2))
+    step = dict(input_ids=ids(bsz=2, length=1, seed=5), attention_mask=mask, use_cache=True)
+    stock = model(**step, past_key_values=cache).logits
+    assert not calls
+    fused = decode_graph.FusedModules(model)
+    with fused.active():
+        twins = model(**step, past_key_values=other).logits
+    assert fused.failure is None and len(calls) == model.config.num_hidden_layers and not decode_graph._UNROTATED
+    torch.testing.assert_close(twins, stock, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache.layers, other.layers):
+        for x, y in zip(a.tensors(), b.tensors()):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)

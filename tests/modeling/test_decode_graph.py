@@ -249,7 +249,7 @@ def test_twins_leave_a_decode_steps_rope_to_the_kernel(family, monkeypatch):
     # the capture then keeps the rotation in transformers (defer_rope off) and redoes the step
     deferring = decode_graph._deferring
     monkeypatch.setattr(decode_graph, "_deferring",
-                        lambda rope, stock=None: lambda *a, **kw: tuple(t.clone() for t in deferring(rope)(*a, **kw)))
+                        lambda rope, *more: lambda *a, **kw: tuple(t.clone() for t in deferring(rope)(*a, **kw)))
     third = model(x, attention_mask=mask[:, :13], use_cache=True).past_key_values
     seen = [layer.seen.clone() for layer in third.layers]
     fused = decode_graph.FusedModules(model)
