@@ -35,7 +35,7 @@ test-oldest:
 # torch): every gpu-marked test (kernels, model-level training parity, decode), then the quick fidelity run
 # (CLI, Triton backend, micro-batch 4, real text; trains its 26M base first if out/fidelity-llama is missing).
 # With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~5 min on one H100; more workers oversubscribe one GPU. On several
-# GPUs, TEST_GPUS=0,1,2,3 gives xdist worker k the GPU TEST_GPUS[k % 4] (tests/conftest.py), e.g. PYTEST_ARGS="-n 8".
+# GPUs, TEST_GPUS=0,1,2,3 gives xdist worker k the GPU TEST_GPUS[k % n] of n (tests/conftest.py), e.g. PYTEST_ARGS="-n 8".
 GPU_PY ?= python3
 TEST_GPUS ?=
 test-gpu:
