@@ -11,7 +11,8 @@ Conventions
   every earlier key); useful TFLOP/s = L(L+1)/2 entries x 4d x heads / time for every method.
 - "DCA" = what the model runs per layer: rotate the pass's keys once at j % s (a small Triton kernel), then the
   fused kernel, which rotates the queries itself; both read the model's cos/sin table of positions 0..C.
-  "DCA kernel" = the fused kernel alone on keys already rotated (a cache's).
+  "DCA kernel" = the fused kernel alone on keys already rotated (a cache's). On a Hopper GPU with triton 3.6 both
+  run the Gluon kernel (``dca_gluon``) by default; "DCA kernel (Triton)" is the Triton kernel it replaces there.
 - SDPA (cuDNN, flash) runs on already-rotated q/k (RoPE not timed), ``enable_gqa=True`` (no repeat_kv copy),
   ``is_causal`` (prefill) or one query over the whole cache (decode). The ratio is against the faster of the two.
 - "3-call merge" = ChunkLlama / vLLM's formulation in PyTorch: per chunk one causal flash call (intra) and two
@@ -87,8 +88,9 @@ def dca_call(q, k, v, L, lq):
         keys = new if lq == L else kr  # decode: the cache already holds the older keys rotated
         return tri.dca_attention_triton(q, keys, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
 
-    def kernel_only():
-        return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
+    def kernel_only(use_gluon=None):
+        return tri.dca_attention_triton(q, kr, v, qpos, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table,
+                                        use_gluon=use_gluon)
 
     return full, kernel_only
 
@@ -143,8 +145,9 @@ def check_agreement(L=20000):
     last = slice(L - 256, L)  # the twin materialises scores: check the last 256 queries (all three parts)
     want = ref.dca_attention_blocked(q[:, :, last].float(), k.float(), v.float(), kpos[:, last], kpos, valid,
                                      valid[:, last], CHUNK, LOCAL, inv_freq(), D ** -0.5)
-    full, _ = dca_call(q, k, v, L, L)
-    got = {"DCA kernel": full()[:, :, last].float(), "3-call merge": three_call_merge(q, k, v, L)()[:, :, last].float()}
+    full, kernel = dca_call(q, k, v, L, L)
+    got = {"DCA kernel": full()[:, :, last].float(), "DCA kernel (Triton)": kernel(use_gluon=False)[:, :, last].float(),
+           "3-call merge": three_call_merge(q, k, v, L)()[:, :, last].float()}
     return {name: float((x - want).abs().max()) for name, x in got.items()}
 
 
@@ -153,9 +156,11 @@ SWEEP = [(128, 64, 8, 3, 64), (128, 64, 8, 3, 128), (128, 128, 8, 3, 128), (64, 
 
 
 def sweep(L=32768):
-    """Time the kernel's prefill tile configs (BLOCK_M, BLOCK_N, warps, stages, rows per head); keep the fastest."""
+    """Time the Triton kernel's prefill tile configs (BLOCK_M, BLOCK_N, warps, stages, rows per head); keep the
+    fastest (the Gluon kernel, where it serves, has its own)."""
     q, k, v = inputs(L)
-    _, kernel = dca_call(q, k, v, L, L)
+    _, gluon_or_triton = dca_call(q, k, v, L, L)
+    kernel = functools.partial(gluon_or_triton, use_gluon=False)
     best = None
     for cfg in SWEEP:
         tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD = cfg[:4], cfg[4]
@@ -180,6 +185,8 @@ def prefill_rows(lengths):
         kr = ref.rotate_keys(k, torch.arange(L, device="cuda")[None], CHUNK, LOCAL, inv_freq()).to(k.dtype)
         qr = q  # SDPA's speed does not depend on which rotation its inputs carry (RoPE not timed)
         times = {"DCA": measure(full), "DCA kernel": measure(kernel)}
+        if tri.dca_gluon is not None and tri.dca_gluon.applies(q, kr, v, D // 2, 1):  # the kernel it replaces, beside
+            times["DCA kernel (Triton)"] = measure(lambda: kernel(use_gluon=False))
         times.update({f"SDPA {n}": measure(fn) for n, fn in sdpa_calls(qr, kr, v, True).items()})
         times["3-call merge"] = measure(three_call_merge(q, k, v, L), warmup=2, rep=10)
         flops = L * (L + 1) / 2 * 4 * D * H
@@ -384,8 +391,8 @@ def main():
     decode = decode_rows(ints(args.decode_lengths), ints(args.decode_batches))
     model = model_rows(ints(args.model_lengths), args.new_tokens) if args.model else []
     cfg = chosen or (*tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD)
-    text = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}; prefill tiles "
-            f"(BLOCK_M, BLOCK_N, warps, stages, rows/head) {cfg}\n\n") + table(
+    text = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}; Triton prefill "
+            f"tiles (BLOCK_M, BLOCK_N, warps, stages, rows/head) {cfg}\n\n") + table(
         prefill, decode, model, agreement)
     print(text)
     if args.out:

@@ -37,33 +37,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_parts import (
+    BLOCK_M,
+    LOAD_LAYOUT as _LOAD_LAYOUT,
+    descriptors as _descriptors,
+    hopper_ok,
+    mma_layout as _mma_layout,
+    operand_layout as _operand_layout,
+)
 from .tma import tma_ok
 
-BLOCK_M = gl.constexpr(64)  # stacked query rows per consumer warpgroup (the smallest wgmma M)
 BLOCK_N = 128
 # Work items per program. Against 1, 2 took 1-4% off the forward on an H100 (8K-128K, GQA 4/7, hd 64/128); 3 and 4
 # did no better on average, and one program per SM (all items, statically strided) lost 7% at 128K in one run of two
 # (benchmarks/results/attention-h100-two-items.md).
 ITEMS = 2
 STAGES = 3  # 2 x 64 x 128 q rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
-
-
-@gluon.constexpr_function
-def _mma_layout(n):
-    """Registers of a warpgroup's [64, n] wgmma accumulator (4 warps, one 16-row slice each)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.constexpr_function
-def _operand_layout(acc_layout):
-    """A 16-bit A operand held in registers (P, dS) for a wgmma into ``acc_layout``."""
-    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-
-
-# Coalesced pointer loads of [64, d] rows: 8 contiguous elements (16 bytes) per thread.
-_LOAD_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.constexpr_function
@@ -305,28 +295,12 @@ def _fwd_kernel(Q, O, LSE, QPOS, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s
     ], [4, 1], [240, 24])
 
 
-# Gluon is experimental and its API moves between releases (3.7+ renamed the TMA copy and the CTA barrier used here):
-# the kernel serves the triton minor version it was verified on, on a GPU; others run the Triton forward.
-VERIFIED_TRITON = "3.6"
-
-
 def applies(q, k, v, kc, vc, block_d: int) -> bool:
     """Whether this kernel serves these inputs: triton 3.6, a Hopper GPU (sm_90: wgmma), 16-bit inputs, head dims up to
     128 (padded to 64 or 128), tiles TMA can fetch."""
-    if ".".join(triton.__version__.split(".")[:2]) != VERIFIED_TRITON:
-        return False
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or block_d not in (64, 128):
+    if not hopper_ok(q) or block_d not in (64, 128):
         return False
     return tma_ok(k, v, *(x for x in (kc, vc) if x.numel()))
-
-
-def _descriptors(box, *tensors) -> list:
-    """A TMA descriptor per (B, heads, rows, d) tensor, fetching ``box``-shaped tiles into the NVMMA shared layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16 if tensors[0].dtype == torch.bfloat16
-                                                  else gl.float16)
-    return [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in tensors]
 
 
 def _key_descriptors(k, v, kc, vc, dims, rows: int) -> list:

@@ -429,14 +429,12 @@ def test_gpu_qwen_like_heads():
     check(1, 14, 2, 3000, 128, 16, 500, "query", torch.bfloat16, seed=8)
 
 
-GLUON_ONLY = "the Gluon kernels serve sm_90 GPUs with triton 3.6 (cca_gluon.VERIFIED_TRITON)"
+GLUON_ONLY = "the Gluon kernels serve sm_90 GPUs with triton 3.6 (gluon_parts.VERIFIED_TRITON)"
 
 
 def gluon_serves_this_gpu():
-    import triton
-
-    return (tri.cca_gluon is not None and HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-            and triton.__version__.startswith(tri.cca_gluon.VERIFIED_TRITON + "."))
+    return tri.cca_gluon is not None and HAS_CUDA and tri.cca_gluon.hopper_ok(torch.empty(1, device="cuda",
+                                                                                          dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from tests.support import naive_dca
 
 
 def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=0, dtype=torch.float32, splits=None,
-         af=1.0, use_tma=None):
+         af=1.0, use_tma=None, use_gluon=None):
     """Kernel vs reference over the last ``lq`` queries of left-padded sequences of tensor length ``L``."""
     gen = torch.Generator().manual_seed(seed)
     lq = lq or L
@@ -34,7 +34,8 @@ def case(B, H, Hkv, L, d, C, w, pads=None, lq=None, c_orig=0, rotary=None, seed=
     kr = ref.rotate_keys(k.to(dtype), kpos, C, w, inv_freq, af)
     temp = ref.temperature_per_sequence(kstart, L, c_orig) if c_orig else None  # None: the kernel's T = 1 path
     got = tri.dca_attention_triton(q.to(dtype), kr, v.to(dtype), torch.where(qvalid, qpos, -1), kstart, C, w,
-                                   inv_freq, scale, temp, af, splits=splits, use_tma=use_tma).float()
+                                   inv_freq, scale, temp, af, splits=splits, use_tma=use_tma,
+                                   use_gluon=use_gluon).float()
     real = qvalid[:, None, :, None].expand_as(expect)
     err = (got - expect)[real].abs().max().item()
     assert torch.isfinite(got).all(), "pad rows must be finite"
@@ -178,6 +179,59 @@ def test_reference_matches_naive_with_rotated_keys():
 ], ids=lambda s: "B{}H{}kv{}L{}d{}C{}w{}".format(*s) if isinstance(s, tuple) else None)
 def test_gpu_long(shape, dtype):
     case(*shape, dtype=dtype)
+
+
+def gluon_serves_this_gpu():
+    return tri.dca_gluon is not None and HAS_CUDA and tri.dca_gluon.hopper_ok(torch.empty(1, device="cuda",
+                                                                                        dtype=torch.bfloat16))
+
+
+GLUON_ONLY = "the Gluon prefill serves sm_90 GPUs with triton 3.6 (gluon_parts.VERIFIED_TRITON)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gluon_serves_this_gpu(), reason=GLUON_ONLY)
+@pytest.mark.parametrize("shape,kw", [
+    ((1, 28, 4, 3001, 128, 1024, 128), {}),  # r = 7, L odd, s = 896 (tiles straddle the boundaries)
+    ((2, 32, 8, 2500, 128, 768, 96), {"pads": [0, 317]}),  # r = 4, batch 2, left padding: two items of pad rows only
+    ((2, 16, 16, 2000, 64, 300, 0), {}),  # r = 1, w = 0, d = 64
+    ((2, 20, 4, 1500, 64, 100, 20), {}),  # r = 5, s = 80 < a tile: a warpgroup's rows span two chunks or more
+    ((3, 32, 8, 3000, 128, 1024, 100), {"pads": [5, 0, 999], "lq": 1300, "c_orig": 512}),  # a pass after a prefill,
+    # rows not a multiple of the items, the temperature per sequence
+    ((2, 32, 8, 700, 128, 300, 44), {"af": 1.3, "dtype": torch.float16}),  # attention factor, fp16
+], ids=["r7", "pads", "r1-d64-w0", "s80", "chunk-temp", "fp16-af"])
+def test_gpu_gluon_prefill(shape, kw):
+    """The Hopper kernel (``dca_gluon``) against the fp32 twin, as the Triton kernel is held. Every shape has enough
+    query rows for one split (the Gluon kernel does not split keys; fewer rows go to the Triton kernel's splits)."""
+    case(*shape, **{"dtype": torch.bfloat16, **kw}, use_gluon=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gluon_serves_this_gpu(), reason=GLUON_ONLY)
+def test_gpu_gluon_serves_prefill_by_default(monkeypatch):
+    """A default call runs the Gluon kernel for a bf16 prefill with rows enough for one split, and this file's kernel
+    for what it does not serve (decode, few rows, head dim 80, partial rotary, use_tma=False); use_gluon=True there is
+    a clear error."""
+    calls = []
+    real = tri.dca_gluon.forward
+    monkeypatch.setattr(tri.dca_gluon, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case(2, 32, 8, 600, 128, 256, 32, dtype=torch.bfloat16)
+    assert len(calls) == 1
+    case(2, 32, 8, 600, 128, 256, 32, dtype=torch.bfloat16, lq=1)
+    case(1, 8, 2, 600, 128, 256, 32, dtype=torch.bfloat16)  # 40 row tiles: the Triton kernel's splits fill the GPU
+    case(2, 32, 8, 600, 80, 256, 32, dtype=torch.bfloat16)
+    case(2, 32, 8, 600, 128, 256, 32, dtype=torch.bfloat16, rotary=64)
+    case(2, 32, 8, 600, 128, 256, 32, dtype=torch.bfloat16, use_tma=False)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="use_gluon=True needs"):
+        case(2, 32, 8, 600, 80, 256, 32, dtype=torch.bfloat16, use_gluon=True)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_prefill_where_gluon_would_serve():
+    """This file's kernel (TMA tiles) on the shapes the Gluon kernel takes by default: both stay held to the twin."""
+    case(1, 32, 8, 4500, 128, 768, 96, dtype=torch.bfloat16, use_gluon=False)
+    case(2, 32, 8, 2500, 128, 768, 96, pads=[0, 317], dtype=torch.bfloat16, use_gluon=False)
 
 
 @pytest.mark.gpu
