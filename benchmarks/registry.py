@@ -23,10 +23,10 @@ BENCHMARKS = {b.name: b for b in (
               "PyTorch reference: forward and forward+backward time, TFLOP/s, 4K-128K, Llama-3.1-8B heads",
               "--out benchmarks/results", "tests/test_benchmarks.py (the authors' path, medians, refusals); the "
               "kernels' correctness: tests/kernels/test_cca_triton.py", prefixes=("attention",)),
-    Benchmark("dca", "dca.py", "DCA attention (fused Triton) vs causal SDPA and a three-call merge: prefill time and "
-              "per-layer decode time inside CUDA graphs (batches: --decode-batches; tile configs: --decode-sweep); "
+    Benchmark("dca", "dca.py", "DCA attention (fused Triton; Gluon on Hopper) vs causal SDPA and a three-call merge: "
+              "prefill time and per-layer decode time inside CUDA graphs (batches: --decode-batches; tile configs: --decode-sweep); "
               "with --model, whole-model generate() decode", "--out benchmarks/results",
-              "tests/kernels/test_dca_triton.py (kernel == reference)", prefixes=("dca",)),
+              "tests/kernels/test_dca_triton.py (kernels == reference)", prefixes=("dca",)),
     Benchmark("dca_defaults", "dca_defaults.py", "DCA settings chosen by measurement: ppl growth c..8c and passkey "
               "for four (C, w) choices x temperature off/on, on prose, pass-key and code bases (trains them first)",
               "--out benchmarks/results", "tests/test_benchmarks.py (a tiny base on the CPU)"),

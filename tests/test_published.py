@@ -14,10 +14,11 @@ THIRD_PARTY = {"torch", "transformers", "triton"}
 # What each method's export shipped when the list was a table: the import walk must find exactly these.
 SHIPPED = {
     "cca": {"cca_hf.py", "attention_hooks.py", "attention_cca.py", "cache_cca.py", "decode_graph.py", "cca_params.py",
-            "cca_reference.py", "cca_triton.py", "cca_gluon.py", "cca_pool_triton.py", "cca_decode_triton.py",
-            "skinny_triton.py", "tma.py"},
+            "cca_reference.py", "cca_triton.py", "cca_gluon.py", "gluon_parts.py", "cca_pool_triton.py",
+            "cca_decode_triton.py", "skinny_triton.py", "tma.py"},
     "dca": {"dca_hf.py", "attention_hooks.py", "decode_graph.py", "dca_params.py", "dca_reference.py", "dca_triton.py",
-            "skinny_triton.py", "tma.py"},  # (CUDA-graph decode: decode_graph.py and its few-row products)
+            "dca_gluon.py", "gluon_parts.py", "skinny_triton.py", "tma.py"},  # (CUDA-graph decode: decode_graph.py
+    # and its few-row products; Hopper prefill: the Gluon files)
 }
 
 

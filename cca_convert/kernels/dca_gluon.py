@@ -34,7 +34,7 @@ from .tma import tma_ok
 BLOCK_N = 128
 ITEMS = 2  # work items per program (as cca_gluon: the load warp fills the next item's stages during the last's tail)
 STAGES = 3  # 2 x 64 x 128 query rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
-ROT_ROWS = gl.constexpr(8)  # query rows rotated at a time (registers: the pipeline's accumulators stay live)
+ROT_ROWS = 8  # query rows rotated at a time (registers: the pipeline's accumulators stay live)
 
 
 @gluon.jit
@@ -95,7 +95,8 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, ready, empty, QPOS, KSTART, 
         s0, n0, s1, n1, s2, n2 = _item_tiles(QPOS, b, row0, Lq, gl.load(KSTART + b), S, BLOCK_N, layout)
         for i in range(n0 + n1 + n2):
             s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1: the ring starts empty
+            # fresh barriers pass phase 1: the ring starts empty
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
             col = _tile_column(i, s0, n0, s1, n1, s2, BLOCK_N)
             tma.async_copy_global_to_shared(k_desc, [b, g, col, 0], ready.index(s), k_smem.index(s))
@@ -105,7 +106,7 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, ready, empty, QPOS, KSTART, 
 
 @gluon.jit
 def _rotate_rows(q_my, Q, QPOS, ROPE, b, h, t_base, Lq, s_qb, s_qh, s_ql, part, S, CHUNK, mult,
-                 HEAD_DIM: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, ROT_ROWS: gl.constexpr):
     """This warpgroup's 64 query rows rotated for range ``part`` (at min(2s-1, C), min(o+s, C), o: o = pos % s), scaled
     by ``mult`` and rounded to the keys' dtype, into its shared-memory tile: ``dca_triton._dca_fwd``'s prologue."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -155,7 +156,7 @@ def _softmax_tile(sc, m_i, l_i, col0, part, kstart, e1, e2, e3, lmax0, lmax1, lm
 def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, ready, empty, turn,
                         s_qb, s_qh, s_ql, s_ob, s_oh, s_ol, Lq, S, CHUNK, n_hb, n_heads, rep, x_lo, x_hi, qk_scale,
                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HAS_TEMP: gl.constexpr):
+                        HAS_TEMP: gl.constexpr, ROT_ROWS: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = operand_layout(o_layout)
@@ -196,7 +197,7 @@ def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, 
         # Tile 0: scores only (turns as in cca_gluon: warpgroup 1's turn k waits for warpgroup 0's turn k to end,
         # warpgroup 0's for warpgroup 1's turn k - 1; a fresh barrier has passed phase 1)
         part = (n0 == 0).to(gl.int32) + (n0 + n1 == 0).to(gl.int32)
-        _rotate_rows(q_my, Q, QPOS, ROPE, b, h, t_base, Lq, s_qb, s_qh, s_ql, part, S, CHUNK, mult, HEAD_DIM)
+        _rotate_rows(q_my, Q, QPOS, ROPE, b, h, t_base, Lq, s_qb, s_qh, s_ql, part, S, CHUNK, mult, HEAD_DIM, ROT_ROWS)
         s0_ = it % STAGES
         mbarrier.wait(ready.index(s0_), (it // STAGES) & 1)
         mbarrier.wait(my_turn, (n_turns & 1) ^ (1 - WG))
@@ -214,7 +215,8 @@ def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, 
             sp = (gi - 1) % STAGES
             now = (i >= n0).to(gl.int32) + (i >= n0 + n1).to(gl.int32)
             if now != part:  # a new range: its rotation of the rows (no matmul of this warpgroup is in flight)
-                _rotate_rows(q_my, Q, QPOS, ROPE, b, h, t_base, Lq, s_qb, s_qh, s_ql, now, S, CHUNK, mult, HEAD_DIM)
+                _rotate_rows(q_my, Q, QPOS, ROPE, b, h, t_base, Lq, s_qb, s_qh, s_ql, now, S, CHUNK, mult, HEAD_DIM,
+                             ROT_ROWS)
             part = now
             mbarrier.wait(ready.index(s), (gi // STAGES) & 1)
             mbarrier.wait(my_turn, ((n_turns + i) & 1) ^ (1 - WG))
@@ -255,7 +257,7 @@ def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, 
 def _fwd_kernel(Q, O, QPOS, KSTART, ROPE, TEMP, k_desc, v_desc, s_qb, s_qh, s_ql, s_ob, s_oh, s_ol,
                 Lq, S, CHUNK, n_hb, n_heads, rep, n_items, qk_scale,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ITEMS: gl.constexpr,
-                HAS_TEMP: gl.constexpr):
+                HAS_TEMP: gl.constexpr, ROT_ROWS: gl.constexpr):
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], smem_layout)
     # the ring holds the descriptors' [1, 1, BLOCK_N, HEAD_DIM] boxes; the matmuls view each as [BLOCK_N, HEAD_DIM]
@@ -275,10 +277,10 @@ def _fwd_kernel(Q, O, QPOS, KSTART, ROPE, TEMP, k_desc, v_desc, s_qb, s_qh, s_ql
     gl.warp_specialize([
         (_consumer_partition, (Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh,
                                s_ql, s_ob, s_oh, s_ol, Lq, S, CHUNK, n_hb, n_heads, rep, x_lo, x_hi, qk_scale, 0,
-                               HEAD_DIM, BLOCK_N, STAGES, HAS_TEMP)),
+                               HEAD_DIM, BLOCK_N, STAGES, HAS_TEMP, ROT_ROWS)),
         (_consumer_partition, (Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, ready, empty, turn, s_qb, s_qh,
                                s_ql, s_ob, s_oh, s_ol, Lq, S, CHUNK, n_hb, n_heads, rep, x_lo, x_hi, qk_scale, 1,
-                               HEAD_DIM, BLOCK_N, STAGES, HAS_TEMP)),
+                               HEAD_DIM, BLOCK_N, STAGES, HAS_TEMP, ROT_ROWS)),
         (_load_partition, (k_desc, v_desc, k_smem, v_smem, ready, empty, QPOS, KSTART, Lq, S, n_hb, n_heads, rep,
                            x_lo, x_hi, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])
@@ -305,7 +307,7 @@ def forward(q, k_rot, v, out, qpos, kstart, table, temp, qk_scale, chunk_size, l
         q, out, qpos, kstart, table, table if temp is None else temp, k_desc, v_desc, *q.stride()[:3],
         *out.stride()[:3], q_len, chunk_size - local_size, chunk_size, n_hb, n_heads, n_heads // k_rot.shape[1],
         n_items, qk_scale, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, ITEMS=ITEMS, HAS_TEMP=temp is not None,
-        num_warps=4,
+        ROT_ROWS=ROT_ROWS, num_warps=4,
     )
     return out
 
