@@ -43,6 +43,8 @@ from .gluon_parts import (
     LOAD_LAYOUT as _LOAD_LAYOUT,
     descriptors as _descriptors,
     hopper_ok,
+    key_ring,
+    last_pv,
     mma_layout as _mma_layout,
     operand_layout as _operand_layout,
 )
@@ -230,12 +232,7 @@ def _consumer_partition(Q, O, LSE, QPOS, q_smem, k_smem, v_smem, ready, empty, t
             mbarrier.arrive(empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        sl = (it + n_tiles - 1) % STAGES
-        mbarrier.wait(my_turn, ((n_turns + n_tiles) & 1) ^ (1 - WG))
-        a_tok = warpgroup_mma(p_op, v_smem.index(sl).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
-        mbarrier.arrive(empty.index(sl), count=1)
+        acc = last_pv(p_op, acc, v_smem, empty, my_turn, other_turn, it, n_turns, n_tiles, WG, BLOCK_N, BLOCK_D, STAGES)
         it += n_tiles
         n_turns += n_tiles + 1
 
@@ -267,19 +264,7 @@ def _fwd_kernel(Q, O, LSE, QPOS, kc_desc, vc_desc, k_desc, v_desc, s_qb, s_qh, s
                 BMP: gl.constexpr, STAGES: gl.constexpr, OFFSET: gl.constexpr, ITEMS: gl.constexpr):
     # ITEMS work items (``_fwd_item``) in turn: the load warp fetches the next item's first tiles while the warpgroups
     # finish the last one's, instead of a new program filling its pipeline from cold (one program fits on an SM).
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, BLOCK_D], smem_layout)
-    # the ring holds the descriptors' [1, 1, BLOCK_N, BLOCK_D] boxes; the matmuls view each as [BLOCK_N, BLOCK_D]
-    k_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    q_smem, k_smem, v_smem, ready, empty, turn = key_ring(Q, k_desc, v_desc, BLOCK_D, BLOCK_N, STAGES)
     x_lo = gl.program_id(0) * ITEMS
     x_hi = gl.minimum(x_lo + ITEMS, n_items)
 

@@ -28,7 +28,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_parts import BLOCK_M, LOAD_LAYOUT, descriptors, hopper_ok, mma_layout, operand_layout
+from .gluon_parts import (
+    BLOCK_M,
+    LOAD_LAYOUT,
+    descriptors,
+    hopper_ok,
+    key_ring,
+    last_pv,
+    mma_layout,
+    operand_layout,
+)
 from .tma import tma_ok
 
 BLOCK_N = 128
@@ -232,12 +241,8 @@ def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, 
             mbarrier.arrive(empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        sl = (it + n_tiles - 1) % STAGES
-        mbarrier.wait(my_turn, ((n_turns + n_tiles) & 1) ^ (1 - WG))
-        a_tok = warpgroup_mma(p_op, v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
-        mbarrier.arrive(empty.index(sl), count=1)
+        acc = last_pv(p_op, acc, v_smem, empty, my_turn, other_turn, it, n_turns, n_tiles, WG, BLOCK_N, HEAD_DIM,
+                      STAGES)
         it += n_tiles
         n_turns += n_tiles + 1
 
@@ -258,19 +263,7 @@ def _fwd_kernel(Q, O, QPOS, KSTART, ROPE, TEMP, k_desc, v_desc, s_qb, s_qh, s_ql
                 Lq, S, CHUNK, n_hb, n_heads, rep, n_items, qk_scale,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ITEMS: gl.constexpr,
                 HAS_TEMP: gl.constexpr, ROT_ROWS: gl.constexpr):
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], smem_layout)
-    # the ring holds the descriptors' [1, 1, BLOCK_N, HEAD_DIM] boxes; the matmuls view each as [BLOCK_N, HEAD_DIM]
-    k_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    q_smem, k_smem, v_smem, ready, empty, turn = key_ring(Q, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     x_lo = gl.program_id(0) * ITEMS
     x_hi = gl.minimum(x_lo + ITEMS, n_items)
 

@@ -391,8 +391,8 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
              and dca_gluon.applies(q, k_rot, v, inv_freq.shape[0], splits))
     if use_gluon and not gluon:
         raise ValueError("dca_attention_triton: use_gluon=True needs triton 3.6's Gluon, a Hopper (sm_90) GPU, 16-bit "
-                         "inputs, head_dim 64 or 128 rotated whole, query rows enough for one split (>= 2 programs per SM), "
-                         "TMA-fetchable keys")
+                         "inputs, head_dim 64 or 128 rotated whole, query rows enough for one split (>= 2 programs "
+                         "per SM), TMA-fetchable keys")
     if gluon:
         return dca_gluon.forward(q, k_rot, v, out, qpos32, kstart32, table, temp, scale * _LOG2E, chunk_size,
                                  local_size)

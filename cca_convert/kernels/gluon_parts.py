@@ -5,6 +5,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = gl.constexpr(64)  # query rows per consumer warpgroup (the smallest wgmma M)
@@ -44,3 +45,38 @@ def descriptors(box, *tensors) -> list:
     layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16 if tensors[0].dtype == torch.bfloat16
                                                   else gl.float16)
     return [TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in tensors]
+
+
+@gluon.jit
+def key_ring(Q, k_desc, v_desc, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The forward kernels' shared memory: each consumer warpgroup's [64, d] query tile, a ring of STAGES key/value
+    tiles (the descriptors' [1, 1, BLOCK_N, d] boxes; the matmuls view each as [BLOCK_N, d]) with their ready/empty
+    barriers (both warpgroups release a stage), and the two warpgroups' turn barriers; in ``Q``'s dtype."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return q_smem, k_smem, v_smem, ready, empty, turn
+
+
+@gluon.jit
+def last_pv(p_op, acc, v_smem, empty, my_turn, other_turn, it, n_turns, n_tiles, WG: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    """A work item's last P V in the warpgroups' turns (the loop issues each tile's P V with the next tile's scores),
+    then its stage released: the finished accumulator."""
+    sl = (it + n_tiles - 1) % STAGES
+    mbarrier.wait(my_turn, ((n_turns + n_tiles) & 1) ^ (1 - WG))
+    a_tok = warpgroup_mma(p_op, v_smem.index(sl).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+    mbarrier.arrive(other_turn, count=1)
+    acc, _ = warpgroup_mma_wait(0, deps=(a_tok, p_op))
+    mbarrier.arrive(empty.index(sl), count=1)
+    return acc
