@@ -13,8 +13,8 @@ is ``cca_gluon``'s forward:
   scores are issued before the previous tile's P V has finished. Where the range changes, a warpgroup writes the
   next rotation of its query rows into its shared-memory tile (outside its turn: the other warpgroup's matmuls run).
 
-Gluon has no interpreter: the CPU tests run ``dca_triton``'s kernel, and the GPU tests hold this one to the reference
-and to the Triton kernel.
+Gluon has no interpreter: the CPU tests run ``dca_triton``'s kernel, and the GPU tests hold this one to the fp32 twin
+with the Triton kernel's tolerance.
 """
 
 import triton
