@@ -1,5 +1,5 @@
-"""Benchmark: DCA attention (the fused kernel: Triton, or Gluon for prefill on Hopper) vs causal SDPA and a ChunkLlama-style
-three-call merge.
+"""Benchmark: DCA attention (the fused kernel: Triton, or Gluon for prefill on Hopper) vs causal SDPA and a
+ChunkLlama-style three-call merge.
 
 Llama-3.1-8B attention layout (32 query heads, 8 KV heads, head_dim 128), bf16, batch 1. DCA sizes: ChunkLlama's
 default for an 8K-trained Llama 3 (c = 8192: chunk_size C = 6144, local_size w = 1024, chunk length s = 5120).
