@@ -339,8 +339,8 @@ def dca_attention_triton(q, k_rot, v, qpos, kstart, chunk_size, local_size, inv_
     columns: for keys in a buffer longer than the sequence (a DCA cache's spare room, read whole by a CUDA-graph step).
     Where the keys end at the last query it gives the static splits' numbers.
     use_gluon: the Hopper kernel (``dca_gluon``) for a prefill pass with query rows enough to fill the GPU without
-    splitting the keys (default: where ``dca_gluon.applies``, unless ``use_tma`` is False; 32K prefill 17.4 -> 15.0 ms
-    on an H200); True: it or a clear error; False: this file's kernel.
+    splitting the keys (default: where ``dca_gluon.applies``, unless ``use_tma`` is False; the kernel at 32K: 17.6 ->
+    15.0 ms on an H200); True: it or a clear error; False: this file's kernel.
     """
     check_params(chunk_size, local_size)
     bsz, n_heads, q_len, head_dim = q.shape
