@@ -12,8 +12,9 @@ the prologue from a cos/sin table of the positions ``0..C`` (every query positio
 first (the causal tail is the short tiles).
 
 Key/value tiles come by TMA (``tma.py``) on Hopper and newer GPUs, except for decode's small tiles. On a Hopper GPU
-with triton 3.6, prefill passes of 128 rows or more run ``dca_gluon`` instead: the same algorithm, warp-specialized
-(a TMA load warp, two ping-pong consumer warpgroups), as FlashAttention-3.
+with triton 3.6, prefill passes with query rows enough to fill the GPU without splitting the keys run ``dca_gluon``
+instead: the same algorithm, warp-specialized (a TMA load warp, two ping-pong consumer warpgroups), as
+FlashAttention-3.
 
 GQA-native: a program owns one KV head and stacks ``HP`` of its query heads as rows of one tile (all ``r`` of them
 for decode), so a key/value tile is loaded once for all of them; no ``repeat_kv``.
