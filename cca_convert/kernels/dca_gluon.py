@@ -185,6 +185,7 @@ def _consumer_partition(Q, O, QPOS, KSTART, ROPE, TEMP, q_smem, k_smem, v_smem, 
     for x in range(x_lo, x_hi):
         b, h, g, row0 = _item(x, n_hb, n_heads, rep, Lq)
         kstart = gl.load(KSTART + b)
+        # the load warp computes the same tiles (128 positions, once per item): no hand-over through shared memory
         s0, n0, s1, n1, s2, n2 = _item_tiles(QPOS, b, row0, Lq, kstart, S, BLOCK_N, item_layout)
         n_tiles = n0 + n1 + n2
         mult = qk_scale
