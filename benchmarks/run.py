@@ -2,13 +2,14 @@
 """Run a registered benchmark and keep its record; or regenerate the results index.
 
     python benchmarks/run.py decode                       # the registered command (benchmarks/registry.py)
-    python benchmarks/run.py decode -- --contexts 8192    # other arguments for the script
+    python benchmarks/run.py decode -- --contexts 8192    # other arguments for the script (all go to it)
     python benchmarks/run.py --list
     python benchmarks/run.py --index                      # benchmarks/results/INDEX.md from the table and the records
 
 A record is one JSON file per benchmark and GPU, ``benchmarks/results/records/<name>-<gpu>.json``: the exact command,
 the commit (and whether the tree had uncommitted changes), the date, the versions of torch / transformers / triton,
-the GPU, the exit status and the output the script printed (its tables).
+the GPU, the exit status and the output the script printed (its tables). A failed run's record goes beside a
+completed run's (``...-failed.json``), never over it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def run(name: str, args: list[str]) -> int:
     }
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{name}-{slug(gpu)}.json"
+    if code != 0 and path.is_file() and json.loads(path.read_text()).get("exit_code") == 0:
+        path = path.with_name(f"{path.stem}-failed.json")  # a failed run never replaces a completed run's record
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"record: {path}")
     write_index()
@@ -145,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not a.name:
         p.error("name a benchmark (--list shows them), or --index")
-    return run(a.name, a.args[1:] if a.args[:1] == ["--"] else a.args)
+    args = list(a.args)
+    if "--" in args:  # the separator, wherever it stands (`serve --out D -- --rows x`): everything goes to the script
+        args.remove("--")
+    return run(a.name, args)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,24 @@ def test_the_runner_keeps_a_record_of_a_benchmark_run(tmp_path, monkeypatch):
     record = json.loads(next((tmp_path / "records").glob("toy-*.json")).read_text())
     assert record["command"] == "python benchmarks/registry.py" and record["exit_code"] == 0
     assert record["versions"]["torch"] and record["gpu"] and record["date"] and "commit" in record
+
+
+def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_path, monkeypatch, capsys):
+    """Arguments after the name go to the script, ``--`` wherever it stands; a failed run (here: an argument the
+    script refuses) is recorded beside the completed run's record, which stays."""
+    import json
+
+    from benchmarks import registry, run
+
+    monkeypatch.setattr(run, "RECORDS", tmp_path / "records")
+    monkeypatch.setattr(run, "write_index", lambda: None)
+    bench = registry.Benchmark("toy", "run.py", "nothing", "--list", "this test", gpu=False)
+    monkeypatch.setitem(registry.BENCHMARKS, "toy", bench)
+    monkeypatch.setattr(run, "BENCHMARKS", registry.BENCHMARKS)
+    assert run.main(["toy", "--list", "--"]) == 0  # run.py's own --list, forwarded: it lists and exits 0
+    good = next((tmp_path / "records").glob("toy-*.json"))
+    assert json.loads(good.read_text())["command"] == "python benchmarks/run.py --list"
+    assert run.main(["toy", "--", "--no-such-option"]) != 0
+    assert json.loads(good.read_text())["exit_code"] == 0, "a failed run replaced the completed record"
+    failed = json.loads(good.with_name(good.stem + "-failed.json").read_text())
+    assert failed["exit_code"] != 0 and failed["command"].endswith("--no-such-option")
