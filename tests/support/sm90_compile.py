@@ -1,7 +1,8 @@
-"""Compile the Hopper Gluon forwards (``cca_gluon``, ``dca_gluon``) for sm_90 on a machine without a GPU: triton's
-own front end and its bundled ptxas, with a stand-in for the CUDA driver that names the target and launches nothing.
-Run as ``python -m tests.support.sm90_compile`` (a process of its own: the stand-in replaces triton's active driver)
-without ``TRITON_INTERPRET``; prints one line per kernel and shape, exits non-zero on a compile error."""
+"""Compile the Hopper Gluon forwards (``cca_gluon``, ``dca_gluon``) and the DCA Triton kernel's decode form for
+sm_90 on a machine without a GPU: triton's own front end and its bundled ptxas, with a stand-in for the CUDA driver
+that names the target and launches nothing. Run as ``python -m tests.support.sm90_compile`` (a process of its own:
+the stand-in replaces triton's active driver) without ``TRITON_INTERPRET``; prints one line per kernel and shape,
+exits non-zero on a compile error."""
 
 import torch
 import triton
@@ -51,6 +52,25 @@ def compile_dca(head_dim: int, temp: bool):
         grid=(1,))
 
 
+def compile_dca_decode(temp: bool):
+    """The DCA Triton kernel's decode form (``dca_triton._dca_fwd``, pointer loads, flash-decoding splits by span):
+    the interpreter runs it on the CPU, but does not type-check it as the compiler does."""
+    from cca_convert.kernels import dca_triton as tri
+
+    B, H, Hkv, L, d, splits = 1, 32, 8, 32768, 128, 32
+    q = torch.empty(B, H, 1, d, dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, L, d, dtype=torch.bfloat16)
+    o, lse = torch.empty(splits, B, H, 1, d), torch.empty(splits, B, H, 1)
+    i32 = torch.empty(B, dtype=torch.int32)
+    table, t = torch.empty(6145, d), torch.empty(B)
+    block_m, block_n, warps, stages = tri._CONFIGS["decode"]
+    return tri._dca_fwd.warmup(
+        q, k, k, None, None, o, lse, i32, i32, table, t if temp else None, 0.1, *q.stride()[:3], *k.stride()[:3],
+        *k.stride()[:3], *o.stride()[:4], *lse.stride()[:3], Hkv, 1, L, H // Hkv, 1, 5120, 6144, 1024,
+        SPLIT_BY_SPAN=True, HEAD_DIM=d, BLOCK_D=d, ROT_HALF=d // 2, BLOCK_M=block_m, BLOCK_N=block_n, HP=H // Hkv,
+        BMP=block_m // (H // Hkv), PREC="tf32", TMA=False, num_warps=warps, num_stages=stages, grid=(1,))
+
+
 def compile_cca(head_dim: int):
     from cca_convert.kernels import cca_gluon as cg
 
@@ -69,6 +89,8 @@ def compile_cca(head_dim: int):
 def main() -> None:
     driver.set_active(CompileOnlyDriver())
     builds = [("dca d128", lambda: compile_dca(128, False)), ("dca d64 temperature", lambda: compile_dca(64, True)),
+              ("dca decode (Triton)", lambda: compile_dca_decode(False)),
+              ("dca decode (Triton) temperature", lambda: compile_dca_decode(True)),
               ("cca d128", lambda: compile_cca(128)), ("cca d64", lambda: compile_cca(64))]
     for name, build in builds:
         kernel = build()
