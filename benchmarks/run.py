@@ -62,6 +62,14 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def _completed(path: Path) -> bool:
+    """Whether ``path`` holds the record of a run that exited 0."""
+    try:
+        return json.loads(path.read_text()).get("exit_code") == 0
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run(name: str, args: list[str]) -> int:
     bench = BENCHMARKS[name]
     argv = args if args else shlex.split(bench.command)
@@ -87,7 +95,7 @@ def run(name: str, args: list[str]) -> int:
     }
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{name}-{slug(gpu)}.json"
-    if code != 0 and path.is_file() and json.loads(path.read_text()).get("exit_code") == 0:
+    if code != 0 and _completed(path):
         path = path.with_name(f"{path.stem}-failed.json")  # a failed run never replaces a completed run's record
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"record: {path}")
