@@ -31,6 +31,7 @@ process's first prompt pays that compilation once, seconds on a fresh machine.
 
     python benchmarks/decode.py --out benchmarks/results/decode-h200                      # 8K/32K/128K x 1/16/64
     python benchmarks/decode.py --contexts 131072 --batches 64 --backends cca             # one expensive cell
+    python benchmarks/decode.py --out D --resume                      # continue a run a time limit stopped
     python benchmarks/decode.py --smoke --device cpu                                      # the code path, tiny
     python benchmarks/decode.py --contexts 131072 --batches 64,256 --backends cca --prefill-rows 1   # shortcut
 
@@ -252,7 +253,12 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device name)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (any device): the code path, not the numbers")
-    ap.add_argument("--out", type=Path, default=None, help="folder for decode.md / decode.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for decode.md / decode.json, written again after every row (a run stopped by a time "
+                         "limit keeps what it measured)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run whose decode.json is in --out: its measured cells are kept, the others "
+                         "run (same settings and GPU required; the table says how many processes measured it)")
     args = ap.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(BACKENDS))
@@ -271,44 +277,95 @@ def main() -> int:
         if not args.smoke:
             ap.error(f"no memory bandwidth known for {name!r}: pass --bandwidth BYTES_PER_S")
         bandwidth = 1e11  # a smoke run's floor is not a claim
+    kept, processes = {}, 0
+    if args.resume:
+        kept, processes = resumed(ap, args, name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()
     cca, full = build(args, dtype)
     dca = build_dca(args, cca) if any(b.startswith("dca") for b in backends) else None
+    # the table's rows: the resumed run's (all of them, measured or not here) and this run's grid, in order
+    grid = {(c, n): {"context": c, "batch": n, "cells": {}} for c in args.contexts for n in args.batches}
+    by_key = {**{k: {**r, "cells": dict(r["cells"])} for k, r in kept.items()},
+              **{k: r for k, r in grid.items() if k not in kept}}
+    rows = [by_key[k] for k in sorted(by_key)]
+    for r in rows:
+        r.update(floor_cca_ms=floor_ms(cca, "cca", r["context"], r["batch"], bandwidth),
+                 floor_full_ms=floor_ms(cca, "full", r["context"], r["batch"], bandwidth))
+    todo = [(k, b) for k in grid for b in backends if b not in by_key[k]["cells"]]
+    processes += 1 if todo else 0
     head = (f"{describe(name, cca, dtype, t0)}; {args.new_tokens} new tokens, prefill chunks of {args.prefill_chunk} "
             f"tokens per row, at most {args.prefill_tokens} per chunk; "
-            f"step clock {'synced every step' if args.sync_steps else 'unsynced'}")
+            f"step clock {'synced every step' if args.sync_steps else 'unsynced'}"
+            + (f"; cells measured by {processes} processes (--resume), each on a {name}" if processes > 1 else ""))
     print(head, flush=True)
-    for backend in backends:
+    cells = sum(len(r["cells"]) for r in rows) + len(todo)
+    for backend in dict.fromkeys(b for _, b in todo):
         if backend.startswith(("cca", "dca")):
             warm_up(model_for(backend, cca, dca, full), backend, args)
-    rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            row = {"context": context, "batch": batch, "cells": {},
-                   "floor_cca_ms": floor_ms(cca, "cca", context, batch, bandwidth),
-                   "floor_full_ms": floor_ms(cca, "full", context, batch, bandwidth)}
-            for backend in backends:
-                model = model_for(backend, cca, dca, full)
-                try:
-                    row["cells"][backend] = run_cell(model, backend, context, batch, args)
-                    cell = row["cells"][backend]
-                    print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
-                          f"(prefill {cell['prefill_s']:.1f}s in chunks of {prefill_chunk(args, batch)}, "
-                          f"{cell['graph_replays']} steps replayed from CUDA graphs"
-                          + (f", peak {cell['peak_gib']:.1f} GiB" if cell["peak_gib"] else "")
-                          + (f", {cell['prefilled_rows']} rows prefilled" if cell["prefilled_rows"] < batch else "")
-                          + ")", flush=True)
-                except torch.OutOfMemoryError:
-                    row["cells"][backend] = "OOM"
-                    print(f"  L={context} batch={batch} {backend}: OOM", flush=True)
-                    torch.cuda.empty_cache()
-            rows.append(row)
-    text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s")
-    print("\n" + text)
-    if args.out:
-        save_results(args.out, "decode", text, {"device": name, "rows": rows})
+
+    def save(complete: bool):
+        if not args.out:
+            return
+        done = sum(len(r["cells"]) for r in rows)
+        text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s")
+        if not complete:
+            text += f"\n\n(partial: {done} of {cells} cells so far)"
+        save_results(args.out, "decode", text, {"device": name, "rows": rows, "settings": settings(args, name),
+                                                "processes": processes, "complete": complete})
+
+    for (context, batch), backend in todo:
+        row = by_key[(context, batch)]
+        model = model_for(backend, cca, dca, full)
+        try:
+            row["cells"][backend] = run_cell(model, backend, context, batch, args)
+            cell = row["cells"][backend]
+            print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
+                  f"(prefill {cell['prefill_s']:.1f}s in chunks of {prefill_chunk(args, batch)}, "
+                  f"{cell['graph_replays']} steps replayed from CUDA graphs"
+                  + (f", peak {cell['peak_gib']:.1f} GiB" if cell["peak_gib"] else "")
+                  + (f", {cell['prefilled_rows']} rows prefilled" if cell["prefilled_rows"] < batch else "")
+                  + ")", flush=True)
+        except torch.OutOfMemoryError:
+            row["cells"][backend] = "OOM"
+            print(f"  L={context} batch={batch} {backend}: OOM", flush=True)
+            torch.cuda.empty_cache()
+        save(complete=False)
+    if kept:
+        print(f"  kept from the run resumed: {sum(len(r['cells']) for r in kept.values())} cells", flush=True)
+    print("\n" + head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s"))
+    save(complete=True)
     return 0
+
+
+SETTINGS = ("new_tokens", "skip", "prefill_chunk", "prefill_tokens", "prefill_rows", "sync_steps", "layers",
+            "group_size", "local_window", "smoke")
+
+
+def settings(args, device_name: str) -> dict:
+    """What a cell's numbers depend on besides its context, batch and backend."""
+    return {"device": device_name, **{k: getattr(args, k) for k in SETTINGS}}
+
+
+def resumed(ap, args, device_name: str):
+    """The rows of the run in ``--out`` to keep, keyed by (context, batch), and the count of processes that measured
+    them; a clear error where there is nothing to resume or it was measured otherwise."""
+    import json
+
+    path = args.out / "decode.json" if args.out else None
+    if path is None or not path.is_file():
+        ap.error(f"--resume continues the run whose decode.json is in --out; found none ({path})")
+    try:
+        earlier = json.loads(path.read_text())
+        mine, theirs = settings(args, device_name), earlier["settings"]
+        rows = {(r["context"], r["batch"]): r for r in earlier["rows"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        ap.error(f"--resume: {path} is not a decode.json this script wrote with --out ({exc!r})")
+    differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+    if differ:
+        ap.error(f"--resume: {path} was measured with other settings (theirs, now): {differ}; rerun with those, "
+                 "or write to a new --out")
+    return rows, earlier.get("processes", 1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,49 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
 
 
+def test_decode_benchmark_saves_every_row_and_resumes(tmp_path, monkeypatch):
+    """A run stopped by a time limit keeps the cells it measured (decode.json is written after each), and ``--resume``
+    measures only the rest, keeping the earlier rows outside its own grid; other settings are refused."""
+    base = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--new-tokens", "4",
+            "--skip", "1", "--group-size", "4", "--local-window", "8", "--out", str(tmp_path)]
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    real, calls = decode.run_cell, []
+
+    def stopped_at_the_third(*args):  # the time limit: the process dies during its third cell
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(decode, "run_cell", stopped_at_the_third)
+    monkeypatch.setattr(sys, "argv", base[1:] + ["--contexts", "40", "--batches", "1", "--backends", "cca,full,dca"])
+    with pytest.raises(KeyboardInterrupt):
+        decode.main()
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert not saved["complete"] and saved["processes"] == 1
+    assert sorted(saved["rows"][0]["cells"]) == ["cca", "full"]
+    assert "(partial: 2 of 3 cells so far)" in (tmp_path / "decode.md").read_text()
+    measured = saved["rows"][0]["cells"]["cca"]["steps_ms"]
+    again = subprocess.run(base + ["--contexts", "40,48", "--batches", "1", "--backends", "cca,dca", "--resume"],
+                           capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "L=40 batch=1 cca" not in again.stdout and "L=40 batch=1 dca:" in again.stdout
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert saved["complete"] and saved["processes"] == 2
+    assert [(r["context"], sorted(r["cells"])) for r in saved["rows"]] == [(40, ["cca", "dca", "full"]),
+                                                                           (48, ["cca", "dca"])]
+    assert saved["rows"][0]["cells"]["cca"]["steps_ms"] == measured  # kept, not measured again
+    assert "measured by 2 processes" in (tmp_path / "decode.md").read_text()
+    other = subprocess.run(base + ["--contexts", "40", "--batches", "1", "--backends", "cca", "--resume",
+                                   "--new-tokens", "5"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert other.returncode == 2 and "other settings" in other.stderr and "new_tokens" in other.stderr
+    nothing = subprocess.run(base[:-1] + [str(tmp_path / "none"), "--resume"], capture_output=True, text=True,
+                             cwd=REPO, timeout=600)
+    assert nothing.returncode == 2 and "found none" in nothing.stderr
+
+
 def test_decode_benchmark_prefill_rows_shortcut_is_labelled(tmp_path):
     """``--prefill-rows``: the first rows prefilled for real, their cache rows repeated to the batch; the table says so,
     and full-static (which builds its own cache) is refused."""
