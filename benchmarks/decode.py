@@ -254,7 +254,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (any device): the code path, not the numbers")
     ap.add_argument("--out", type=Path, default=None,
-                    help="folder for decode.md / decode.json, written again after every row (a run stopped by a time "
+                    help="folder for decode.md / decode.json, written again after every cell (a run stopped by a time "
                          "limit keeps what it measured)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run whose decode.json is in --out: its measured cells are kept, the others "
