@@ -27,7 +27,8 @@ test: $(VENV)/.installed
 
 # The same suite against the oldest versions pyproject.toml admits (those of the GPU image). triton 3.6's
 # CPU interpreter turns loaded scalars into 1-element arrays, which NumPy >= 2.3 refuses as loop bounds. With
-# triton 3.6 it also compiles the Hopper Gluon kernels for sm_90 without a GPU (tests/kernels/test_gluon_compiles.py).
+# triton 3.6 it also compiles the Hopper Gluon kernels and the DCA decode kernel for sm_90 without a GPU
+# (tests/kernels/test_gluon_compiles.py).
 OLDEST := transformers==5.17.0 huggingface_hub==1.33.0 triton==3.6.0 peft==0.21.0 safetensors==0.8.0 'numpy<2.3'
 test-oldest:
 	$(MAKE) test VENV=.venv-oldest TORCH="$(TORCH)" EXTRA_PINS="$(OLDEST)"

@@ -31,7 +31,7 @@ process's first prompt pays that compilation once, seconds on a fresh machine.
 
     python benchmarks/decode.py --out benchmarks/results/decode-h200                      # 8K/32K/128K x 1/16/64
     python benchmarks/decode.py --contexts 131072 --batches 64 --backends cca             # one expensive cell
-    python benchmarks/decode.py --out D --resume                      # continue a run a time limit stopped
+    python benchmarks/decode.py --out D --resume                                          # continue a stopped run
     python benchmarks/decode.py --smoke --device cpu                                      # the code path, tiny
     python benchmarks/decode.py --contexts 131072 --batches 64,256 --backends cca --prefill-rows 1   # shortcut
 
@@ -42,6 +42,7 @@ step) is ``benchmarks/decode_synthetic.py``: a secondary table that isolates the
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -350,8 +351,6 @@ def settings(args, device_name: str) -> dict:
 def resumed(ap, args, device_name: str):
     """The rows of the run in ``--out`` to keep, keyed by (context, batch), and the count of processes that measured
     them; a clear error where there is nothing to resume or it was measured otherwise."""
-    import json
-
     path = args.out / "decode.json" if args.out else None
     if path is None or not path.is_file():
         ap.error(f"--resume continues the run whose decode.json is in --out; found none ({path})")

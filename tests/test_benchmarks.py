@@ -30,7 +30,7 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
 
 
-def test_decode_benchmark_saves_every_row_and_resumes(tmp_path, monkeypatch):
+def test_decode_benchmark_saves_every_cell_and_resumes(tmp_path, monkeypatch):
     """A run stopped by a time limit keeps the cells it measured (decode.json is written after each), and ``--resume``
     measures only the rest, keeping the earlier rows outside its own grid; other settings are refused."""
     base = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--new-tokens", "4",
@@ -327,11 +327,9 @@ def test_the_runner_keeps_a_record_of_a_benchmark_run(tmp_path, monkeypatch):
     assert record["versions"]["torch"] and record["gpu"] and record["date"] and "commit" in record
 
 
-def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_path, monkeypatch, capsys):
+def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_path, monkeypatch):
     """Arguments after the name go to the script, ``--`` wherever it stands; a failed run (here: an argument the
     script refuses) is recorded beside the completed run's record, which stays."""
-    import json
-
     from benchmarks import registry, run
 
     monkeypatch.setattr(run, "RECORDS", tmp_path / "records")

@@ -213,10 +213,10 @@ model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, d
 Requirements: `transformers>=5.17` and `torch>=2.11`; `triton` on CUDA (a fused forward kernel, written in Gluon for
 prefill on Hopper GPUs with triton 3.6; elsewhere, and whenever gradients are needed, a PyTorch reference runs).
 `attn_implementation="sdpa"` at load runs the base model's plain RoPE attention with the same weights, for A/B
-comparisons. On CUDA, `generate()` replays each one-token decode
-step from a CUDA graph (captured on the first step, with the model's norms and MLPs compiled by `torch.compile` and
-its linear layers run as Triton few-row products; the first steps take seconds longer), sizes the cache once for the
-whole sequence where that fits in free memory, and reads its stopping flag one step late (the output is the same).
+comparisons. On CUDA, `generate()` replays each one-token decode step from a CUDA graph (captured on the first step,
+with the model's norms and MLPs compiled by `torch.compile` and its linear layers run as Triton few-row products; the
+first steps take seconds longer), sizes the cache once for the whole sequence where that fits in free memory, and
+reads its stopping flag one step late (the output is the same).
 `dca_cuda_graphs=False` at load time decodes eagerly, `dca_compile_decode=False` captures the stock code,
 `dca_defer_stop_checks=False` keeps generate()'s per-step sync.
 

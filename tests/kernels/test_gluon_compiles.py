@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(".".join(triton.__version__.split(".")[:2]) != gluon_parts.VERIFIED_TRITON,
                     reason="the Gluon kernels are verified on triton 3.6 (gluon_parts.VERIFIED_TRITON)")
-def test_gluon_forwards_compile_for_sm90(tmp_path):
+def test_hopper_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not found in a cache
     proc = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile"], cwd=ROOT, env=env,
