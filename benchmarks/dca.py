@@ -264,7 +264,9 @@ def decode_rows(lengths, batches=(1,)):
 
 
 DECODE_SWEEP = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 4, 3), (16, 64, 4, 4), (16, 64, 2, 3), (16, 128, 8, 2),
-                (16, 256, 8, 2)]
+                (16, 256, 8, 2), (16, 64, 4, 5), (16, 64, 8, 4), (16, 32, 4, 6)]
+# (programs per SM, columns per split): one wave of programs, fewer and longer splits, up to eight waves
+DECODE_SPLITS = [(1, 512), (2, 512), (3, 512), (4, 512), (8, 256)]
 
 
 def decode_sweep(lengths, batches):
@@ -278,7 +280,7 @@ def decode_sweep(lengths, batches):
             sdpa = min(measure_graph(calls["SDPA cuDNN"]), measure_graph(calls["SDPA flash"]))
             cell = []
             for cfg in DECODE_SWEEP:
-                for waves, cols in ((2, 1024), (4, 512), (8, 256)):
+                for waves, cols in DECODE_SPLITS:
                     tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS = cfg, waves, cols
                     try:
                         ms = measure_graph(calls["DCA step"])

@@ -138,14 +138,28 @@ def describe(name, model, dtype, t0) -> str:
             f"g={model.config.cca_group_size} s={model.config.cca_local_window}; built in {time.time() - t0:.0f}s")
 
 
-def floor_ms(model, backend, context, batch, bandwidth) -> float:
+def cache_size(model, backend, context, batch) -> int:
+    """Bytes of a backend's cache at ``context``: CCA's compressed one, or every key and value (DCA, full)."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
     cache_cca, cache_full = cache_module.cache_bytes(
         context, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
         cfg.cca_group_size, cfg.cca_local_window, cfg.cca_pooling, model.dtype.itemsize, batch)
-    return (weights + (cache_cca if backend.startswith("cca") else cache_full)) / bandwidth * 1e3
+    return cache_cca if backend.startswith("cca") else cache_full
+
+
+def floor_ms(model, backend, context, batch, bandwidth) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    return (weights + cache_size(model, backend, context, batch)) / bandwidth * 1e3
+
+
+def no_room(model, backend, context, batch, memory) -> str | None:
+    """Why a cell cannot run in ``memory`` bytes: the weights and the cache at ``context`` alone exceed them (a
+    prefill would run for minutes before running out of memory); None where they fit."""
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) + cache_size(model, backend, context, batch)
+    if memory is not None and need > memory:
+        return f"no room ({need / 2**30:.0f} GiB > {memory / 2**30:.0f})"
+    return None
 
 
 def prefill_chunk(args, batch: int) -> int:
@@ -253,6 +267,9 @@ def main() -> int:
     ap.add_argument("--local-window", type=int, default=1024)
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device name)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="device memory a cell's weights and cache must fit in, else it is marked 'no room' without "
+                         "running (default: the CUDA device's total memory)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (any device): the code path, not the numbers")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for decode.md / decode.json, written again after every cell (a run stopped by a time "
@@ -315,9 +332,17 @@ def main() -> int:
         save_results(args.out, "decode", text, {"device": name, "rows": rows, "settings": settings(args, name),
                                                 "processes": processes, "complete": complete})
 
+    memory = (args.memory_gib * 2**30 if args.memory_gib is not None else
+              torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     for (context, batch), backend in todo:
         row = by_key[(context, batch)]
         model = model_for(backend, cca, dca, full)
+        why = no_room(model, backend, context, batch, memory)
+        if why:
+            row["cells"][backend] = why
+            print(f"  L={context} batch={batch} {backend}: {why}", flush=True)
+            save(complete=False)
+            continue
         try:
             row["cells"][backend] = run_cell(model, backend, context, batch, args)
             cell = row["cells"][backend]

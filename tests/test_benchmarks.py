@@ -73,6 +73,20 @@ def test_decode_benchmark_saves_every_cell_and_resumes(tmp_path, monkeypatch):
     assert nothing.returncode == 2 and "found none" in nothing.stderr
 
 
+def test_decode_benchmark_marks_cells_whose_cache_cannot_fit(tmp_path):
+    """A cell whose weights and cache exceed the device memory is marked without a prefill that would run for
+    minutes before running out of memory; the cells that fit run."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--smoke", "--device", "cpu", "--new-tokens", "3",
+           "--skip", "1", "--group-size", "4", "--local-window", "8", "--contexts", "40,200000", "--batches", "1",
+           "--backends", "dca,full", "--memory-gib", "0.05", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    small, large = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert all(isinstance(c, dict) for c in small["cells"].values())
+    assert all(c.startswith("no room (") for c in large["cells"].values())  # 0.1 GiB of keys and values
+    assert "no room (" in (tmp_path / "decode.md").read_text()
+
+
 def test_decode_benchmark_prefill_rows_shortcut_is_labelled(tmp_path):
     """``--prefill-rows``: the first rows prefilled for real, their cache rows repeated to the batch; the table says so,
     and full-static (which builds its own cache) is refused."""

@@ -392,6 +392,34 @@ def test_generate_sizes_the_cache_once(monkeypatch):
         assert capacity == (30 + 11 + hf.STEP_ROOM if planned else 30 + hf.SPARE_COLUMNS), (free, capacity)
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_cache_plan_is_checked_against_the_devices_free_memory():
+    """On a real device (``torch.cuda.mem_get_info``, no stand-in): a plan whose buffers fit is allocated at once; one
+    larger than the free memory is dropped at the first pass, which allocates what it writes plus the spare room
+    instead of running out of memory."""
+    config = stock_and_dca("llama")[1].config
+    device, bsz, n = torch.device("cuda"), 2, 3
+    free = hf.free_bytes(device)
+    assert free is not None and free > 0
+    k = torch.randn(bsz, config.num_key_value_heads, n, config.head_dim, device=device, dtype=torch.bfloat16)
+    pos = torch.arange(n, device=device).expand(bsz, n).contiguous()
+    valid = torch.ones(bsz, n, dtype=torch.bool, device=device)
+    columns = torch.arange(n, device=device)
+    layers = config.num_hidden_layers
+    # every column takes at least a byte per layer: free // layers + 1 columns of every layer exceed the free memory
+    for planned, fits in ((64, True), (free // layers + 1, False)):
+        cache = hf.DCACache(config, max_cache_length=planned)
+        layer = cache.layers[0]
+        layer.append(k, k.clone(), pos, valid, columns)
+        want = planned + hf.STEP_ROOM if fits else n + hf.SPARE_COLUMNS
+        assert layer.buffers[0].shape[2] == want and layer.planned == (want if fits else 0), (planned, fits)
+        assert all(other.planned == layer.planned for other in cache.layers)  # the plan is the cache's, checked once
+        torch.testing.assert_close(layer.buffers[1][:, :, :n], k, rtol=0, atol=0)
+        del cache, layer
+        torch.cuda.empty_cache()
+
+
 @torch.no_grad()
 def test_a_step_being_captured_takes_the_familys_rope_back_as_eager_computes_it(monkeypatch):
     """Under ``FusedModules.active()`` (a step being captured) the family's RoPE leaves a DCA step's q/k un-rotated
