@@ -42,6 +42,7 @@ step) is ``benchmarks/decode_synthetic.py``: a secondary table that isolates the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -207,6 +208,17 @@ def run_cell(model, backend, context, batch, args) -> dict:
     return cell
 
 
+def release(model):
+    """Free what a cell leaves on the device before the next one: transformers' compiled step for a static cache
+    (the memory pool of its CUDA graphs keeps the cache it captured: 16 GiB at 8K x 16) and the allocator's cache."""
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+        torch._dynamo.reset()  # (this also drops the CUDA-graph trees' pools)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def table(rows, bandwidth_name) -> str:
     lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
              f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA-eager vs full | "
@@ -276,7 +288,8 @@ def main() -> int:
                          "limit keeps what it measured)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run whose decode.json is in --out: its measured cells are kept, the others "
-                         "run (same settings and GPU required; the table says how many processes measured it)")
+                         "(and those that ran out of memory) run (same settings and GPU required; the table says how "
+                         "many processes measured it)")
     args = ap.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(BACKENDS))
@@ -310,7 +323,9 @@ def main() -> int:
     for r in rows:
         r.update(floor_cca_ms=floor_ms(cca, "cca", r["context"], r["batch"], bandwidth),
                  floor_full_ms=floor_ms(cca, "full", r["context"], r["batch"], bandwidth))
-    todo = [(k, b) for k in grid for b in backends if b not in by_key[k]["cells"]]
+    todo = [(k, b) for k in grid for b in backends if by_key[k]["cells"].get(b, "OOM") == "OOM"]  # OOM: try again
+    for k, b in todo:
+        by_key[k]["cells"].pop(b, None)
     processes += 1 if todo else 0
     head = (f"{describe(name, cca, dtype, t0)}; {args.new_tokens} new tokens, prefill chunks of {args.prefill_chunk} "
             f"tokens per row, at most {args.prefill_tokens} per chunk; "
@@ -355,10 +370,11 @@ def main() -> int:
         except torch.OutOfMemoryError:
             row["cells"][backend] = "OOM"
             print(f"  L={context} batch={batch} {backend}: OOM", flush=True)
-            torch.cuda.empty_cache()
+        release(model)
         save(complete=False)
     if kept:
-        print(f"  kept from the run resumed: {sum(len(r['cells']) for r in kept.values())} cells", flush=True)
+        print(f"  kept from the run resumed: {sum(c != 'OOM' for r in kept.values() for c in r['cells'].values())} "
+              "cells", flush=True)
     print("\n" + head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s"))
     save(complete=True)
     return 0

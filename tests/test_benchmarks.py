@@ -65,6 +65,12 @@ def test_decode_benchmark_saves_every_cell_and_resumes(tmp_path, monkeypatch):
                                                                            (48, ["cca", "dca"])]
     assert saved["rows"][0]["cells"]["cca"]["steps_ms"] == measured  # kept, not measured again
     assert "measured by 2 processes" in (tmp_path / "decode.md").read_text()
+    saved["rows"][1]["cells"]["dca"] = "OOM"  # a cell that ran out of memory (e.g. beside another's leftovers)
+    (tmp_path / "decode.json").write_text(json.dumps(saved))
+    retried = subprocess.run(base + ["--contexts", "48", "--batches", "1", "--backends", "cca,dca", "--resume"],
+                             capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert retried.returncode == 0 and "L=48 batch=1 dca:" in retried.stdout and "cca:" not in retried.stdout
+    assert isinstance(json.loads((tmp_path / "decode.json").read_text())["rows"][1]["cells"]["dca"], dict)
     other = subprocess.run(base + ["--contexts", "40", "--batches", "1", "--backends", "cca", "--resume",
                                    "--new-tokens", "5"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert other.returncode == 2 and "other settings" in other.stderr and "new_tokens" in other.stderr
