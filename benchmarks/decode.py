@@ -362,8 +362,9 @@ def main() -> int:
             row["cells"][backend] = run_cell(model, backend, context, batch, args)
             cell = row["cells"][backend]
             print(f"  L={context} batch={batch} {backend}: {cell['ms_per_token']:.2f} ms/token "
-                  f"(prefill {cell['prefill_s']:.1f}s in chunks of {prefill_chunk(args, batch)}, "
-                  f"{cell['graph_replays']} steps replayed from CUDA graphs"
+                  f"(prefill {cell['prefill_s']:.1f}s in chunks of {prefill_chunk(args, batch)}"
+                  + (f", {cell['graph_replays']} steps replayed from its CUDA graphs" if model is not full else
+                     ", transformers' own steps")
                   + (f", peak {cell['peak_gib']:.1f} GiB" if cell["peak_gib"] else "")
                   + (f", {cell['prefilled_rows']} rows prefilled" if cell["prefilled_rows"] < batch else "")
                   + ")", flush=True)
