@@ -20,6 +20,10 @@ Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``:
 - ``full-static``: the same with ``cache_implementation="static"``; on CUDA, transformers then compiles the decode
   step (torch.compile "reduce-overhead": CUDA graphs) and SDPA reads the GQA cache without copies. The best full
   attention this model class offers: the fair baseline every ratio is printed against.
+- ``full-kernels``: full attention given this package's engineering: the DCA export's class with one chunk holding
+  every position (chunk_size = the model's context, local_size 0: every key at its true distance, which is plain
+  causal attention) on the same weights, so its decode kernel, one-launch cache writes, few-row products and CUDA-graph
+  steps. A ratio to it measures the method, not the software around it.
 - ``floor``: the bytes one decode step must read (every weight but the input embedding, plus the cache at context L)
   over the GPU's memory bandwidth; "% floor" = floor / measured.
 
@@ -60,7 +64,7 @@ from cca_convert.kernels.dca_params import default_sizes  # noqa: E402
 from cca_convert.modeling import cache_cca as cache_module  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
-BACKENDS = ("cca", "cca-eager", "dca", "dca-eager", "full", "full-static")
+BACKENDS = ("cca", "cca-eager", "dca", "dca-eager", "full", "full-static", "full-kernels")
 DCA_TRAINED_CONTEXT = 131072  # Llama-3.1-8B's c: the DCA sizes the CLI derives from it
 
 
@@ -79,10 +83,15 @@ def configs(args):
     return config
 
 
-def dca_config(args):
+def dca_config(args, whole: bool = False):
+    """The DCA export's config: the CLI's sizes for Llama-3.1-8B, or (``whole``) one chunk holding every position."""
     config = configs(args)
-    c = 256 if args.smoke else DCA_TRAINED_CONTEXT
-    chunk, local = default_sizes(c)
+    if whole:
+        c = chunk = config.max_position_embeddings
+        local = 0
+    else:
+        c = 256 if args.smoke else DCA_TRAINED_CONTEXT
+        chunk, local = default_sizes(c)
     config.dual_chunk_attention_config = {"chunk_size": chunk, "local_size": local,
                                           "original_max_position_embeddings": 0}
     config.dca_trained_context = c
@@ -110,10 +119,10 @@ def build(args, dtype):
     return cca, full
 
 
-def build_dca(args, cca):
-    """The DCA export's class on ``cca``'s weights (the same tensors)."""
+def build_dca(args, cca, whole: bool = False):
+    """The DCA export's class on ``cca``'s weights (the same tensors); ``whole``: the full-kernels model."""
     with torch.device("meta"):
-        dca = published.family_class(FAMILIES["llama"], methods.get("dca"))(dca_config(args)).eval()
+        dca = published.family_class(FAMILIES["llama"], methods.get("dca"))(dca_config(args, whole)).eval()
     dca.load_state_dict(cca.state_dict(), assign=True)
     dca.model.rotary_emb = cca.model.rotary_emb
     for module in dca.modules():  # (its attention modules hold the rotary module they read)
@@ -123,8 +132,11 @@ def build_dca(args, cca):
     return dca
 
 
-def model_for(backend, cca, dca, full):
+def model_for(backend, cca, dca, full, whole=None):
     """The model a backend runs, its CUDA-graph switch set."""
+    if backend == "full-kernels":
+        whole.config.dca_cuda_graphs = True
+        return whole
     for method, model in (("cca", cca), ("dca", dca)):
         if backend.startswith(method):
             setattr(model.config, f"{method}_cuda_graphs", backend == method)
@@ -222,8 +234,9 @@ def release(model):
 def table(rows, bandwidth_name) -> str:
     lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
              f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA-eager vs full | "
-             f"CCA tokens/s | full floor ms (DCA % floor) | DCA vs full-static |",
-             "|" + " --- |" * (len(BACKENDS) + 10)]
+             f"CCA tokens/s | full floor ms (DCA % floor) | DCA vs full-static | CCA vs full-kernels | "
+             f"DCA vs full-kernels |",
+             "|" + " --- |" * (len(BACKENDS) + 12)]
     for r in rows:
         cells = r["cells"]
 
@@ -242,7 +255,8 @@ def table(rows, bandwidth_name) -> str:
             return f"{floor:.2f} ({100 * floor / c['ms_per_token']:.0f}%)" if isinstance(c, dict) else f"{floor:.2f}"
 
         cca = cells.get("cca")
-        dca = f"{pct('dca', r['floor_full_ms'])} | {ratio('full-static', 'dca')}"
+        dca = (f"{pct('dca', r['floor_full_ms'])} | {ratio('full-static', 'dca')} | {ratio('full-kernels')} | "
+               f"{ratio('full-kernels', 'dca')}")
         shortcut = next((c["prefilled_rows"] for c in cells.values() if isinstance(c, dict)
                          and c.get("prefilled_rows", r["batch"]) < r["batch"]), None)
         batch = f"{r['batch']} ({shortcut} prefilled, repeated)" if shortcut else r["batch"]
@@ -315,6 +329,7 @@ def main() -> int:
     t0 = time.time()
     cca, full = build(args, dtype)
     dca = build_dca(args, cca) if any(b.startswith("dca") for b in backends) else None
+    whole = build_dca(args, cca, whole=True) if "full-kernels" in backends else None
     # the table's rows: the resumed run's (all of them, measured or not here) and this run's grid, in order
     grid = {(c, n): {"context": c, "batch": n, "cells": {}} for c in args.contexts for n in args.batches}
     by_key = {**{k: {**r, "cells": dict(r["cells"])} for k, r in kept.items()},
@@ -334,8 +349,8 @@ def main() -> int:
     print(head, flush=True)
     cells = sum(len(r["cells"]) for r in rows) + len(todo)
     for backend in dict.fromkeys(b for _, b in todo):
-        if backend.startswith(("cca", "dca")):
-            warm_up(model_for(backend, cca, dca, full), backend, args)
+        if backend.startswith(("cca", "dca")) or backend == "full-kernels":
+            warm_up(model_for(backend, cca, dca, full, whole), backend, args)
 
     def save(complete: bool):
         if not args.out:
@@ -351,7 +366,7 @@ def main() -> int:
               torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     for (context, batch), backend in todo:
         row = by_key[(context, batch)]
-        model = model_for(backend, cca, dca, full)
+        model = model_for(backend, cca, dca, full, whole)
         why = no_room(model, backend, context, batch, memory)
         if why:
             row["cells"][backend] = why

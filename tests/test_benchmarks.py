@@ -23,11 +23,28 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert [(r["context"], r["batch"]) for r in rows] == [(70, 1), (70, 2)]
     for row in rows:
-        assert set(row["cells"]) == {"cca", "cca-eager", "dca", "dca-eager", "full", "full-static"}
+        assert set(row["cells"]) == {"cca", "cca-eager", "dca", "dca-eager", "full", "full-static", "full-kernels"}
         for cell in row["cells"].values():
             assert cell["ms_per_token"] > 0 and len(cell["steps_ms"]) == 5  # one stamp per new token
             assert cell["prefill_chunk"] == {1: 48, 2: 32}[row["batch"]]  # at most 64 tokens (rows x chunk)
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
+
+
+@torch.no_grad()
+def test_decode_benchmarks_full_kernels_row_is_full_attention():
+    """The full-kernels row runs the DCA class with one chunk holding every position: stock full attention's logits
+    at every position up to the model's context."""
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    args = SimpleNamespace(smoke=True, layers=2, contexts=[300], new_tokens=6, group_size=4, local_window=8,
+                           device="cpu")
+    cca, full = decode.build(args, torch.float32)
+    whole = decode.build_dca(args, cca, whole=True)
+    x = torch.randint(3, 500, (2, whole.config.max_position_embeddings), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(whole(x).logits, full(x).logits, atol=1e-5, rtol=1e-5)
+    dca = decode.build_dca(args, cca)  # the CLI's sizes (c = 256 in a smoke run): chunked past C = 192
+    assert not torch.allclose(dca(x).logits[:, -1], full(x).logits[:, -1], atol=1e-3)
 
 
 def test_decode_benchmark_saves_every_cell_and_resumes(tmp_path, monkeypatch):
