@@ -33,8 +33,9 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("serve", "serve.py", "the exports served over HTTP (cca-convert serve) vs the stock model under "
               "transformers serve, eager and --compile: time to first token, decode tokens/s, latency at 32K prompts",
               "--out benchmarks/results", "tests/test_benchmarks.py (--smoke on the CPU); tests/test_serve.py"),
-    Benchmark("decode", "decode.py", "ms/token inside one real generate() after a real prefill: exported CCA model vs "
-              "stock full attention (eager and static-cache compiled), Llama-3.1-8B shape",
+    Benchmark("decode", "decode.py", "ms/token inside one real generate() after a real prefill: exported CCA and DCA "
+              "models vs full attention (stock eager, stock static-cache compiled, and on this package's kernels), "
+              "Llama-3.1-8B shape",
               "--out benchmarks/results", "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("decode",)),
     Benchmark("decode_synthetic", "decode_synthetic.py", "decode step of the first releases' model class on synthetic "
               "caches: one layer and whole model, memory at 128K (secondary: decode.py is what users run)",
