@@ -8,6 +8,7 @@ name (time per step, launches per step, share of the busy time).
 
     python benchmarks/generate_profile.py --context 32768 --backend cca
     python benchmarks/generate_profile.py --context 32768 --backend full-static
+    python benchmarks/generate_profile.py --context 32768 --backend dca            # or full-kernels: decode.py's rows
     python benchmarks/generate_profile.py --smoke --device cpu --context 64     # the code path, tiny
 
 benchmarks/decode_profile.py profiles one step outside generate (eager, then replayed with and without the compiled
@@ -30,7 +31,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.decode import build, floor_ms, prefill_chunk  # noqa: E402
+from benchmarks.decode import BACKENDS, build, build_dca, floor_ms, model_for, prefill_chunk  # noqa: E402
 
 
 class ProfileWindow(LogitsProcessor):
@@ -125,7 +126,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--backend", choices=("cca", "cca-eager", "full-static"), default="cca")
+    ap.add_argument("--backend", choices=BACKENDS, default="cca", help="a row of benchmarks/decode.py")
     ap.add_argument("--skip", type=int, default=6)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--top", type=int, default=25)
@@ -139,13 +140,13 @@ def main() -> int:
     args = ap.parse_args()
     args.contexts, args.new_tokens = [args.context], args.skip + 3 * args.steps + 2
 
-    cca, full = build(args, torch.bfloat16)
-    model = full if args.backend == "full-static" else cca
+    cca, full = build(args, torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32)
+    dca = build_dca(args, cca) if args.backend.startswith("dca") else None
+    whole = build_dca(args, cca, whole=True) if args.backend == "full-kernels" else None
+    model = model_for(args.backend, cca, dca, full, whole)  # (its CUDA-graph switch set as decode.py sets it)
     kwargs = {"prefill_chunk_size": prefill_chunk(args, args.batch)}
     if args.backend == "full-static":
         kwargs["cache_implementation"] = "static"
-    else:
-        cca.config.cca_cuda_graphs = args.backend == "cca"
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device=args.device)
     timers = [HostTimer(model, name) for name in ("prepare_inputs_for_generation", "forward",
                                                  "_update_model_kwargs_for_generation")]

@@ -47,6 +47,16 @@ def test_decode_benchmarks_full_kernels_row_is_full_attention():
     assert not torch.allclose(dca(x).logits[:, -1], full(x).logits[:, -1], atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["cca", "dca", "full-kernels", "full-static"])
+def test_generate_profile_runs_each_decode_row(backend):
+    """benchmarks/generate_profile.py profiles any row of decode.py (its docstring's smoke command, per backend)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "generate_profile.py"), "--smoke", "--device", "cpu",
+           "--context", "64", "--backend", backend, "--skip", "1", "--steps", "2", "--top", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"{backend}, context 64, batch 1, cpu") and "| kernel |" in proc.stdout
+
+
 def test_decode_benchmark_saves_every_cell_and_resumes(tmp_path, monkeypatch):
     """A run stopped by a time limit keeps the cells it measured (decode.json is written after each), and ``--resume``
     measures only the rest, keeping the earlier rows outside its own grid; other settings are refused."""
