@@ -162,16 +162,20 @@ def cache_size(model, backend, context, batch) -> int:
     return cache_cca if backend.startswith("cca") else cache_full
 
 
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def floor_ms(model, backend, context, batch, bandwidth) -> float:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    embedding = model.get_input_embeddings().weight
+    weights = weight_bytes(model) - embedding.numel() * embedding.element_size()  # a step reads one row of it
     return (weights + cache_size(model, backend, context, batch)) / bandwidth * 1e3
 
 
 def no_room(model, backend, context, batch, memory) -> str | None:
     """Why a cell cannot run in ``memory`` bytes: the weights and the cache at ``context`` alone exceed them (a
     prefill would run for minutes before running out of memory); None where they fit."""
-    need = sum(p.numel() * p.element_size() for p in model.parameters()) + cache_size(model, backend, context, batch)
+    need = weight_bytes(model) + cache_size(model, backend, context, batch)
     if memory is not None and need > memory:
         return f"no room ({need / 2**30:.0f} GiB > {memory / 2**30:.0f})"
     return None
