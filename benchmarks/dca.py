@@ -22,7 +22,10 @@ Conventions
 - Decode (attention only), per layer (x32 for a model), timed inside CUDA graphs on every side (as a captured decode
   step runs; ``do_bench_cudagraph``): one new query per row at position L-1 against a cache of L keys. "DCA step" is
   what a captured DCA step runs (the new key rotated and written into the cache, the kernel over the cache's whole
-  buffers, the split merge); SDPA has no cache write and no RoPE.
+  buffers, the split merge); SDPA has no cache write and no RoPE. Each timed call runs every side over several
+  layers' caches, one after another (enough to hold 4x the L2, ``--decode-layers``), and the time is divided by
+  their number: as in a model step, each layer's keys come from HBM. A cache replayed alone stays in the L2 when it
+  fits (8K x 1) and times the L2; the records before 2026-12-01 were taken that way.
 - ``--model``: Llama-3.1-8B-shaped model with random bf16 weights (32 layers), a real prefill then ``generate()``:
   ms/token = the median step time inside that one generate() call (``benchmarks/step_clock.py``), DCA model vs the
   same weights with transformers' SDPA attention (both with their dynamic caches; no static cache or CUDA graph
@@ -209,55 +212,83 @@ def measure_graph(fn, rep=100):
         return float("nan")
 
 
-def decode_calls(L, batch, spare=1024):
-    """One decode step's attention per layer, batch ``batch`` at position L-1 of an L-token cache:
-    - "DCA step": what a captured DCA decode step runs: the new key rotated and written into the cache's buffers
-      with its value, position and validity (one launch), then the kernel over the whole buffers (``spare`` columns
-      of room past L), each row's keys ending at its query (``split_by_span``), and the split merge;
+def cache_layers(L, batch, spare=1024, requested=0, l2_bytes=None):
+    """How many layers' caches a decode measurement cycles through: ``requested``, or (0) enough that together they
+    hold at least 4x the GPU's L2 (at most 32, a Llama-3.1-8B's layers). A model step reads each layer's cache once,
+    after the other layers' weights and caches have gone through the L2, so its keys come from HBM; one cache replayed
+    alone stays in the L2 when it fits (8K x 1: 34 MB of a 60 MB L2) and times the L2, not a model's step."""
+    if requested:
+        return requested
+    per_layer = 2 * batch * HKV * (L + spare) * D * 2  # keys and values, bf16
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(32, math.ceil(4 * l2_bytes / per_layer)))
+
+
+def decode_calls(L, batch, spare=1024, layers=1):
+    """One decode step's attention, batch ``batch`` at position L-1 of an L-token cache, over ``layers`` layers'
+    caches one after another (each call times them all; the callers divide by ``layers``):
+    - "DCA step": what a captured DCA decode step runs per layer: the new key rotated and written into the cache's
+      buffers with its value, position and validity (one launch), then the kernel over the whole buffers (``spare``
+      columns of room past L), each row's keys ending at its query (``split_by_span``), and the split merge;
     - "DCA kernel": the kernel alone on an L-column cache (splits of the L columns), and the merge;
     - "SDPA cuDNN" / "SDPA flash": one query over L rotated keys (no cache write, no RoPE)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     shape = (batch, HKV, L + spare, D)
-    kbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    vbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    kbuf[:, :, L:] = 0
-    vbuf[:, :, L:] = 0
     posbuf = torch.arange(L + spare, device="cuda").expand(batch, -1).contiguous()
     validbuf = (posbuf < L).contiguous()
+    caches = []
+    for _ in range(layers):
+        kbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        vbuf = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kbuf[:, :, L:] = 0
+        vbuf[:, :, L:] = 0
+        caches.append((kbuf, vbuf, [kbuf, vbuf, posbuf, validbuf], vbuf[:, :, L - 1:L].clone()))
     q = torch.randn(batch, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_new = torch.randn(batch, HKV, 1, D, device="cuda", dtype=torch.float32, generator=gen)
-    v_new = vbuf[:, :, L - 1:L].clone()
     qpos = torch.full((batch, 1), L - 1, device="cuda")
     qpos32, valid = qpos.to(torch.int32), torch.ones(batch, 1, dtype=torch.bool, device="cuda")
     columns = torch.tensor([L - 1], device="cuda")
     kstart = torch.zeros(batch, dtype=torch.int32, device="cuda")
     table = tri.rope_table(inv_freq(), CHUNK)
     scale = D ** -0.5
-    buffers = [kbuf, vbuf, posbuf, validbuf]
 
     def step():
-        tri.append_rotated_triton(k_new, v_new, qpos, valid, columns, CHUNK, LOCAL, table, buffers)
-        return tri.dca_attention_triton(q, kbuf, vbuf, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table,
-                                        split_by_span=True)
+        for kbuf, vbuf, buffers, v_new in caches:
+            tri.append_rotated_triton(k_new, v_new, qpos, valid, columns, CHUNK, LOCAL, table, buffers)
+            out = tri.dca_attention_triton(q, kbuf, vbuf, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale,
+                                           table=table, split_by_span=True)
+        return out
 
-    k, v = kbuf[:, :, :L], vbuf[:, :, :L]
+    views = [(kbuf[:, :, :L], vbuf[:, :, :L]) for kbuf, vbuf, _, _ in caches]
 
     def kernel():
-        return tri.dca_attention_triton(q, k, v, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
+        for k, v in views:
+            out = tri.dca_attention_triton(q, k, v, qpos32, kstart, CHUNK, LOCAL, inv_freq(), scale, table=table)
+        return out
 
-    calls = {"DCA step": step, "DCA kernel": kernel}
-    calls.update({f"SDPA {n}": fn for n, fn in sdpa_calls(q, k, v, False).items()})
-    return calls
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                for k, v in views:
+                    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return out
+        return call
+
+    return {"DCA step": step, "DCA kernel": kernel, "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
+            "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
-def decode_rows(lengths, batches=(1,)):
+def decode_rows(lengths, batches=(1,), layers=0):
     rows = []
     for L in lengths:
         for batch in batches:
-            calls = decode_calls(L, batch)
-            rows.append({"L": L, "batch": batch, "ms": {n: measure_graph(fn) for n, fn in calls.items()}})
-            print(f"  decode L={L} batch={batch}: " + ", ".join(f"{n} {t * 1e3:.1f} us"
-                                                                 for n, t in rows[-1]["ms"].items()), flush=True)
+            n = cache_layers(L, batch, requested=layers)
+            calls = decode_calls(L, batch, layers=n)
+            rows.append({"L": L, "batch": batch, "layers": n,
+                         "ms": {name: measure_graph(fn) / n for name, fn in calls.items()}})
+            print(f"  decode L={L} batch={batch} ({n} layers' caches): "
+                  + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in rows[-1]["ms"].items()), flush=True)
             del calls
             torch.cuda.empty_cache()
     return rows
@@ -269,21 +300,23 @@ DECODE_SWEEP = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 4, 3), (16, 64, 4, 4)
 DECODE_SPLITS = [(1, 512), (2, 512), (3, 512), (4, 512), (8, 256)]
 
 
-def decode_sweep(lengths, batches):
+def decode_sweep(lengths, batches, layers=0):
     """Time the decode tile configs (BLOCK_M, BLOCK_N, warps, stages) x split policies (programs per SM, columns
-    per split) as a captured step runs them ("DCA step"); print each cell's fastest; restore the defaults."""
+    per split) as a captured step runs them ("DCA step", per layer over ``cache_layers`` caches); print each cell's
+    fastest; restore the defaults."""
     default = (tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS)
     results = []
     for L in lengths:
         for batch in batches:
-            calls = decode_calls(L, batch)
-            sdpa = min(measure_graph(calls["SDPA cuDNN"]), measure_graph(calls["SDPA flash"]))
+            n = cache_layers(L, batch, requested=layers)
+            calls = decode_calls(L, batch, layers=n)
+            sdpa = min(measure_graph(calls["SDPA cuDNN"]), measure_graph(calls["SDPA flash"])) / n
             cell = []
             for cfg in DECODE_SWEEP:
                 for waves, cols in DECODE_SPLITS:
                     tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS = cfg, waves, cols
                     try:
-                        ms = measure_graph(calls["DCA step"])
+                        ms = measure_graph(calls["DCA step"]) / n
                     except Exception as exc:  # e.g. out of shared memory
                         print(f"  {cfg} waves {waves} cols {cols}: {type(exc).__name__}", flush=True)
                         continue
@@ -291,9 +324,9 @@ def decode_sweep(lengths, batches):
             tri._CONFIGS["decode"], tri._DECODE_WAVES, tri._SPLIT_COLUMNS = default
             cell.sort(key=lambda x: x[0])
             here = next(c for c in cell if (c[1], c[2], c[3]) == default)
-            print(f"L={L} batch={batch}: SDPA {sdpa * 1e3:.1f} us; default {here[0] * 1e3:.1f}; fastest "
+            print(f"L={L} batch={batch} ({n} layers' caches): SDPA {sdpa * 1e3:.1f} us; default {here[0] * 1e3:.1f}; fastest "
                   + "; ".join(f"{c[1]} x{c[2]}/{c[3]} {c[0] * 1e3:.1f}" for c in cell[:3]), flush=True)
-            results.append({"L": L, "batch": batch, "sdpa_ms": sdpa, "cells": cell})
+            results.append({"L": L, "batch": batch, "layers": n, "sdpa_ms": sdpa, "cells": cell})
             del calls
             torch.cuda.empty_cache()
     return results
@@ -348,12 +381,15 @@ def table(prefill, decode, model, agreement) -> str:
     if decode:
         names = list(decode[0]["ms"])
         out.append("\nDecode attention per layer, one query per row over an L-key cache, timed inside CUDA graphs "
-                   "(us; x32 for a 32-layer model):\n")
-        out.append("| L | batch | " + " | ".join(names) + " | DCA step / best SDPA | DCA kernel / best SDPA |")
-        out.append("|" + " --- |" * (len(names) + 4))
+                   "over several layers' caches, so that keys come from HBM as in a model step (us; x32 for a "
+                   "32-layer model):\n")
+        out.append("| L | batch | layers' caches | " + " | ".join(names)
+                   + " | DCA step / best SDPA | DCA kernel / best SDPA |")
+        out.append("|" + " --- |" * (len(names) + 5))
         for r in decode:
             best = min(r["ms"]["SDPA cuDNN"], r["ms"]["SDPA flash"])
-            out.append(f"| {r['L']} | {r['batch']} | " + " | ".join(f"{r['ms'][n] * 1e3:.1f}" for n in names)
+            out.append(f"| {r['L']} | {r['batch']} | {r['layers']} | "
+                       + " | ".join(f"{r['ms'][n] * 1e3:.1f}" for n in names)
                        + f" | {best / r['ms']['DCA step']:.2f}x speed | {best / r['ms']['DCA kernel']:.2f}x speed |")
     if model:
         out.append("\nWhole model (Llama-3.1-8B shape, random bf16 weights), real prefill then generate():\n")
@@ -376,6 +412,9 @@ def main():
     ap.add_argument("--decode-batches", default="1")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only time the decode tile configs and split policies at --decode-lengths x --decode-batches")
+    ap.add_argument("--decode-layers", type=int, default=0,
+                    help="layers' caches a decode measurement cycles through (0: enough for 4x the L2; 1: one "
+                         "cache replayed alone, which stays in the L2 when it fits)")
     ap.add_argument("--model", action="store_true", help="also time whole-model generate() (random 8B weights)")
     ap.add_argument("--model-lengths", default="32768")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -386,12 +425,12 @@ def main():
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if args.decode_sweep:
-        decode_sweep(ints(args.decode_lengths), ints(args.decode_batches))
+        decode_sweep(ints(args.decode_lengths), ints(args.decode_batches), args.decode_layers)
         return
     chosen = sweep() if args.sweep else None
     agreement = check_agreement()
     prefill = prefill_rows(ints(args.lengths))
-    decode = decode_rows(ints(args.decode_lengths), ints(args.decode_batches))
+    decode = decode_rows(ints(args.decode_lengths), ints(args.decode_batches), args.decode_layers)
     model = model_rows(ints(args.model_lengths), args.new_tokens) if args.model else []
     cfg = chosen or (*tri._CONFIGS["prefill"], tri._MIN_ROWS_PER_HEAD)
     text = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}; C={CHUNK}, w={LOCAL}; Triton prefill "

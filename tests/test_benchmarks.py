@@ -391,3 +391,20 @@ def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_p
     assert json.loads(good.read_text())["exit_code"] == 0, "a failed run replaced the completed record"
     failed = json.loads(good.with_name(good.stem + "-failed.json").read_text())
     assert failed["exit_code"] != 0 and failed["command"].endswith("--no-such-option")
+
+
+def test_dca_decode_rows_read_their_caches_from_hbm_as_a_model_step_does():
+    """benchmarks/dca.py's decode rows cycle through enough layers' caches to hold 4x the L2 (an H200's 60 MB): one
+    cache that fits the L2, replayed alone, would time the L2 (8K x 1 is 34 MB)."""
+    spec = importlib.util.spec_from_file_location("dca_bench", REPO / "benchmarks" / "dca.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    l2 = 60 * 2**20
+    per_layer = lambda L, batch: 2 * batch * bench.HKV * (L + 1024) * bench.D * 2  # noqa: E731
+    for L, batch in ((8192, 1), (32768, 1), (8192, 16), (131072, 1), (131072, 64)):
+        n = bench.cache_layers(L, batch, l2_bytes=l2)
+        assert n * per_layer(L, batch) >= 4 * l2 and (n == 1 or (n - 1) * per_layer(L, batch) < 4 * l2)
+    assert bench.cache_layers(8192, 1, l2_bytes=l2) == 7
+    assert bench.cache_layers(131072, 64, l2_bytes=l2) == 1
+    assert bench.cache_layers(64, 1, l2_bytes=l2) == 32  # at most a Llama-3.1-8B's layers
+    assert bench.cache_layers(8192, 1, requested=1, l2_bytes=l2) == 1
