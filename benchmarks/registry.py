@@ -46,7 +46,8 @@ BENCHMARKS = {b.name: b for b in (
               "the profiler's CPU vs CUDA totals", "", "none on the CPU (CUDA only)"),
     Benchmark("generate_profile", "generate_profile.py", "where a decode step's GPU time goes inside a real "
               "generate(): wall time, busy time, kernels by name", "--context 32768 --backend cca",
-              "python benchmarks/generate_profile.py --smoke --device cpu --context 64"),
+              "python benchmarks/generate_profile.py --smoke --device cpu --context 64",
+              prefixes=("generate-profile",)),
     Benchmark("prefill", "prefill.py", "whole-model prefill, one pass and in chunks: exported CCA model vs stock "
               "full attention, time and peak memory", "--out benchmarks/results",
               "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("prefill",)),
