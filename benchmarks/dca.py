@@ -421,6 +421,8 @@ def main():
     ap.add_argument("--out", type=Path, default=None, help="folder for dca.md / dca.json")
     ap.add_argument("--sweep", action="store_true", help="first pick the fastest prefill tile config at 32K")
     args = ap.parse_args()
+    if args.decode_layers < 0:
+        ap.error(f"--decode-layers must be >= 0 (0: enough caches for 4x the L2), got {args.decode_layers}")
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
