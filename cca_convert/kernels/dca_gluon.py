@@ -44,7 +44,8 @@ from .tma import tma_ok
 BLOCK_N = 128
 ITEMS = 2  # work items per program (as cca_gluon: the load warp fills the next item's stages during the last's tail)
 STAGES = 3  # 2 x 64 x 128 query rows + 3 x (k, v) tiles of 128 x 128 = 224 KB of the H100/H200's 227
-ROT_ROWS = 8  # query rows rotated at a time (registers: the pipeline's accumulators stay live)
+ROT_ROWS = 8  # query rows rotated at a time (registers: the pipeline's accumulators stay live); _rotate_rows
+# loads its 8 blocks' positions up front, written out for 64 / 8 blocks
 
 
 @gluon.jit
