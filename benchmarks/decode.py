@@ -64,6 +64,7 @@ from cca_convert import methods, published  # noqa: E402
 from cca_convert.families import FAMILIES  # noqa: E402
 from cca_convert.kernels.dca_params import default_sizes  # noqa: E402
 from cca_convert.modeling import cache_cca as cache_module  # noqa: E402
+from cca_convert.modeling.attention_hooks import CACHE_ARG  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by a substring of the device name
 BACKENDS = ("cca", "cca-eager", "dca", "dca-eager", "full", "full-static", "full-kernels")
@@ -213,9 +214,9 @@ def run_cell(model, backend, context, batch, args) -> dict:
         with torch.no_grad():
             out = model.generate(ids[: args.prefill_rows], attention_mask=torch.ones_like(ids[: args.prefill_rows]),
                                  max_new_tokens=1, do_sample=False, return_dict_in_generate=True, **kwargs)
-        kwargs["past_key_values"] = out.past_key_values
+        kwargs[CACHE_ARG] = getattr(out, CACHE_ARG)
         del kwargs["prefill_chunk_size"]  # (transformers <= 5.17's chunked prefill would feed the cached prompt again)
-        kwargs["past_key_values"].batch_repeat_interleave(repeats)
+        kwargs[CACHE_ARG].batch_repeat_interleave(repeats)
         ids = out.sequences.repeat_interleave(repeats, 0)  # the prompt (cached) and its first token (the next step)
         del out
     cell = timed_generate(model, ids, args.new_tokens, args.skip, args.sync_steps, **kwargs)

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build  # noqa: E402
+from cca_convert.modeling.attention_hooks import CACHE_ARG  # noqa: E402
 
 
 def main():
@@ -30,15 +31,15 @@ def main():
     with torch.no_grad():
         cache = None
         for start in range(0, args.context, 8192):
-            out = model(ids[:, start:start + 8192], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = model(ids[:, start:start + 8192], use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
+            cache = getattr(out, CACHE_ARG)
         tok = out.logits[:, -1:].argmax(-1)
         pos = torch.full_like(tok, args.context)
 
         def step(graphs):
             model.config.cca_cuda_graphs = graphs
             nonlocal pos
-            logits = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=tok, position_ids=pos, use_cache=True, **{CACHE_ARG: cache}).logits
             pos = pos + 1
             return logits
 

@@ -30,6 +30,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cca_convert.modeling import cache_cca as cache_mod  # noqa: E402
+from cca_convert.modeling.attention_hooks import CACHE_ARG  # noqa: E402
 from tests.legacy import configuration_cca as cc  # noqa: E402  (the first releases' class, kept as a test reference)
 from tests.legacy import modeling_cca as mc  # noqa: E402
 
@@ -103,7 +104,7 @@ def bench_model(model, backend, bsz, ctx, layers, warmup, iters):
 
     def step(i):
         pos = torch.full((bsz, 1), ctx + i, device=DEV)
-        model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
 
     with torch.no_grad():
         ms = timed(step, warmup, iters)

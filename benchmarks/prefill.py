@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
 from cca_convert.modeling import cca_hf  # noqa: E402
+from cca_convert.modeling.attention_hooks import CACHE_ARG  # noqa: E402
 
 
 def new_cache(model, backend):
@@ -42,8 +43,8 @@ def prefill(model, backend, ids, chunk) -> torch.Tensor:
     """The last hidden states of a prefill of ``ids``: one pass (``chunk`` None) or chunks through one cache."""
     cache, outs = new_cache(model, backend), []
     for start in range(0, ids.shape[1], chunk or ids.shape[1]):
-        out = model.model(ids[:, start : start + (chunk or ids.shape[1])], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model.model(ids[:, start : start + (chunk or ids.shape[1])], use_cache=True, **{CACHE_ARG: cache})
+        cache = getattr(out, CACHE_ARG)
         outs.append(out.last_hidden_state)
     return torch.cat(outs, 1)
 

@@ -51,6 +51,7 @@ from transformers.generation.streamers import BaseStreamer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build, describe  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
+from cca_convert.modeling.attention_hooks import CACHE_ARG  # noqa: E402
 
 
 class PassClock(BaseStreamer):
@@ -137,7 +138,7 @@ def timed(model, ids, args, **kwargs) -> dict:
     steady = [p for p in passes[args.skip:] if not p[2]]
     if not steady:
         raise RuntimeError(f"no steady passes among {len(passes)}: raise --new-tokens above --skip")
-    graphs = getattr(out.past_key_values, "decode_graphs", None)
+    graphs = getattr(getattr(out, CACHE_ARG), "decode_graphs", None)
     ms, tokens = sum(p[0] for p in steady) * 1e3, sum(p[1] for p in steady)
     return {"sequences": out.sequences, "logits": out.logits, "ms_per_token": ms / tokens,
             "ms_per_token_all": sum(p[0] for p in passes) * 1e3 / sum(p[1] for p in passes),

@@ -6,6 +6,8 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from cca_convert.modeling.attention_hooks import given_cache
+
 
 class StepClock(LogitsProcessor):
     """Stamps every generation step: generate calls its logits processors once per new token, after that token's
@@ -36,7 +38,7 @@ def timed_generate(model, ids, new_tokens, skip=4, sync_steps=False, **kwargs) -
 
     def first_cache(module, args, call_kwargs):
         if not caches:
-            caches.append(call_kwargs.get("past_key_values"))
+            caches.append(given_cache(call_kwargs.get("cache"), call_kwargs.get("past_key_values")))
 
     hook = model.register_forward_pre_hook(first_cache, with_kwargs=True)
     start = time.perf_counter()

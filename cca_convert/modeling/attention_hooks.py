@@ -6,11 +6,25 @@ exported repo ships its own copy of the shim (several may share a process), so t
 implementation the hook stored: the one of the copy that built the module.
 """
 
+import dataclasses
 import sys
 
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (the old name works
+# until 5.40, with a warning): the shims take either name and pass on the one this version speaks.
+CACHE_ARG = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def given_cache(cache, past_key_values):
+    """The cache a caller passed as ``cache=`` or ``past_key_values=`` (two different ones: a clear error)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("both cache= and past_key_values= were passed, with different caches: pass one (cache= "
+                         "from transformers 5.24 on)")
+    return past_key_values if cache is None else cache
 
 
 class MethodModelMixin:
@@ -94,13 +108,14 @@ class BatchOpsMixin:
 
 
 def capture_hook(method: str, implementation):
-    """A forward pre-hook storing (position_embeddings, past_key_values, implementation) on the attention module."""
+    """A forward pre-hook storing (position_embeddings, the cache, implementation) on the attention module."""
 
     def capture(module, args, kwargs):
         if kwargs.get("position_embeddings") is None:
             raise RuntimeError(f"{type(module).__name__} was not called with position_embeddings=...: this "
                                f"transformers version is not supported by {method.upper()}'s attention hook")
-        module._method_ctx = (kwargs["position_embeddings"], kwargs.get("past_key_values"), implementation)
+        cache = given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        module._method_ctx = (kwargs["position_embeddings"], cache, implementation)
 
     return capture
 

@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .attention_hooks import MethodModelMixin, dispatching, family_rope, unrope
+from .attention_hooks import CACHE_ARG, MethodModelMixin, dispatching, family_rope, given_cache, unrope
 from .attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from .cache_cca import SPECULATIVE_SLACK, CCACache, CCALayerCache
 from ..kernels.cca_params import CHOICES, DEFAULTS, check_args
@@ -146,7 +146,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return out.transpose(1, 2), None
     if key.shape[2] != query.shape[2]:  # another cache handed back its past keys (the inner model's own DynamicCache)
         raise TypeError(f"CCA attention keeps its past in an HFCCACache, got a {type(cache).__name__} with past keys: "
-                        "call the CausalLM (it brings its cache), or pass past_key_values=HFCCACache(model.config)")
+                        f"call the CausalLM (it brings its cache), or pass {CACHE_ARG}=HFCCACache(model.config)")
     # A prompt or a chunk after it: the kernels attend with q and k as the family rotated them; only k is needed before
     # RoPE (it is what is pooled). Un-rotating q too, to rotate it again, cost ~8% of a 128K prefill
     # (decode-generate-h200.md); un-rotating k in torch cost more than the kernel's own RoPE (attention-h200-kv.md), so
@@ -205,23 +205,24 @@ class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         super().__init__(config, *args, **kwargs)
         list(self._hook_attention_modules(_attention))
 
-    def forward(self, *args, past_key_values=None, use_cache=None, output_attentions=None, logits_to_keep=0, **kwargs):
+    def forward(self, *args, cache=None, past_key_values=None, use_cache=None, output_attentions=None,
+                logits_to_keep=0, **kwargs):
         uses_cca = self.config._attn_implementation == "cca"
         kwargs = self._stock_kwargs(kwargs, output_attentions, logits_to_keep)
+        cache = given_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if uses_cca and use_cache and not self.training and CCASettings(self.config).attn_backend != "full":
-            if past_key_values is None or (not isinstance(past_key_values, CCACache)
-                                           and past_key_values.get_seq_length() == 0):
-                past_key_values = HFCCACache(self.config)
+            if cache is None or (not isinstance(cache, CCACache) and cache.get_seq_length() == 0):
+                cache = HFCCACache(self.config)
         if len(args) == 1 and "input_ids" not in kwargs:  # model(ids, ...): a causal LM's first argument
             (kwargs["input_ids"],), args = args, ()
         if uses_cca and use_cache and not args:
-            logits = self._replayed_decode(past_key_values, kwargs)
+            logits = self._replayed_decode(cache, kwargs)
             if logits is None:
-                logits = self._prompt_then_drafts(past_key_values, kwargs)
+                logits = self._prompt_then_drafts(cache, kwargs)
             if logits is not None:
-                return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
-        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+                return CausalLMOutputWithPast(logits=logits, **{CACHE_ARG: cache})
+        return super().forward(*args, use_cache=use_cache, **kwargs, **{CACHE_ARG: cache})
 
     def _prompt_then_drafts(self, cache, kwargs):
         """The first pass of assisted or prompt-lookup decoding (the prompt and the first k drafts in one call, the
@@ -246,7 +247,7 @@ class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):
                 sliced["attention_mask"] = mask[:, :part.stop]  # the columns so far
             return sliced
 
-        logits = [self.forward(past_key_values=cache, use_cache=True, **columns(part, n)).logits
+        logits = [self.forward(cache=cache, use_cache=True, **columns(part, n)).logits
                   for part, n in ((slice(0, prompt), 1), (slice(prompt, ids.shape[1]), keep - 1))]
         return torch.cat(logits, 1)
 
@@ -255,11 +256,11 @@ class CCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         prefill), so that what generate() tells the cache before the prefill reaches it: ``activate_past_recording``
         for assisted and prompt-lookup decoding (then crops are done in place, ``cache_cca.py``)."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_ARG)
         if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not self.training
                 and cache.get_seq_length() == 0 and self.config._attn_implementation == "cca"
                 and CCASettings(self.config).attn_backend != "full"):
-            model_kwargs["past_key_values"] = HFCCACache(self.config)
+            model_kwargs[CACHE_ARG] = HFCCACache(self.config)
         return result
 
 

@@ -25,7 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention_hooks import BatchOpsMixin, MethodModelMixin, crop_length, dispatching, inverse_rope, unrope
+from .attention_hooks import (CACHE_ARG, BatchOpsMixin, MethodModelMixin, crop_length, dispatching, given_cache,
+                              inverse_rope, unrope)
 from .decode_graph import DEFERRED_TOKENS, GraphDecodeMixin, rope_round_trip, take_unrotated
 from ..kernels.dca_params import check_params
 from ..kernels.dca_reference import dca_attention_blocked, rotate_keys, temperature
@@ -397,33 +398,33 @@ class DCAModelMixin(GraphDecodeMixin, MethodModelMixin):
         """generate()'s cache: a DCACache from the start (not the DynamicCache ``forward`` would swap at the prefill),
         so that generate() returns the cache it decoded with."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_ARG)
         if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not self.training
                 and cache.get_seq_length() == 0 and self.config._attn_implementation == "dca"):
             # (generation_mode, batch_size, max_cache_length): the length sizes the buffers once
             length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
-            model_kwargs["past_key_values"] = DCACache(self.config, length if isinstance(length, int) else None)
+            model_kwargs[CACHE_ARG] = DCACache(self.config, length if isinstance(length, int) else None)
         return result
 
-    def forward(self, *args, past_key_values=None, use_cache=None, attention_mask=None, output_attentions=None,
-                logits_to_keep=0, **kwargs):
+    def forward(self, *args, cache=None, past_key_values=None, use_cache=None, attention_mask=None,
+                output_attentions=None, logits_to_keep=0, **kwargs):
         kwargs = self._stock_kwargs(kwargs, output_attentions, logits_to_keep)
+        cache = given_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.config._attn_implementation == "dca" and use_cache and not self.training:
-            if past_key_values is None or (not isinstance(past_key_values, DCACache)
-                                           and past_key_values.get_seq_length() == 0):
-                past_key_values = DCACache(self.config)
+            if cache is None or (not isinstance(cache, DCACache) and cache.get_seq_length() == 0):
+                cache = DCACache(self.config)
         if len(args) == 1 and "input_ids" not in kwargs:  # model(ids, ...): a causal LM's first argument
             (kwargs["input_ids"],), args = args, ()
-        if isinstance(past_key_values, DCACache):
-            if not args and past_key_values.get_seq_length():  # a step after the prompt: from a CUDA graph if it can
-                logits = self._replayed_decode(past_key_values, dict(kwargs, attention_mask=attention_mask))
+        if isinstance(cache, DCACache):
+            if not args and cache.get_seq_length():  # a step after the prompt: from a CUDA graph if it can
+                logits = self._replayed_decode(cache, dict(kwargs, attention_mask=attention_mask))
                 if logits is not None:
-                    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
-            past_key_values.leading_pads_only = (None if attention_mask is None or attention_mask.dim() != 2
-                                                 else _leading_pads_only(attention_mask.bool()))
-        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache,
-                               attention_mask=attention_mask, **kwargs)
+                    return CausalLMOutputWithPast(logits=logits, **{CACHE_ARG: cache})
+            cache.leading_pads_only = (None if attention_mask is None or attention_mask.dim() != 2
+                                       else _leading_pads_only(attention_mask.bool()))
+        return super().forward(*args, use_cache=use_cache, attention_mask=attention_mask, **kwargs,
+                               **{CACHE_ARG: cache})
 
 
 __all__ = ["DCACache", "DCAModelMixin", "dca_attention_forward", "dca_settings"]

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .attention_hooks import CACHE_ARG, given_cache
+
 logger = logging.get_logger(__name__)
 
 try:
@@ -129,7 +131,8 @@ def take_unrotated(q, k) -> bool:
 def _prenorm_layer(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                    position_embeddings=None, **kwargs):
     # transformers' pre-norm decoder layer (Llama's; Qwen2's, Qwen3's, Mistral's... are copies), verbatim: a layer
-    # class whose forward compiles to this same code runs as ``FusedModules.layer_step`` in a captured step
+    # class whose forward compiles to this same code (from 5.24 on with past_key_values spelled cache) runs as
+    # ``FusedModules.layer_step`` in a captured step
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     # Self Attention
@@ -156,6 +159,19 @@ _CODE = ("co_code", "co_consts", "co_names", "co_varnames", "co_freevars", "co_c
          "co_kwonlyargcount", "co_flags")
 
 
+def _renamed(code, old: str, new: str):
+    """``code`` with the name ``old`` (of an argument, and of the keyword it is passed on as) spelled ``new``."""
+
+    def swap(names):
+        return tuple(new if name == old else name for name in names)
+
+    return code.replace(co_varnames=swap(code.co_varnames),
+                        co_consts=tuple(swap(c) if isinstance(c, tuple) else c for c in code.co_consts))
+
+
+_PRENORM_CODES = (_prenorm_layer.__code__, _renamed(_prenorm_layer.__code__, "past_key_values", "cache"))
+
+
 def _checkpointing_wrapper(fn) -> bool:
     """Whether ``fn`` is the wrapper around a layer's forward that checkpoints it in training (transformers' newer
     ``GradientCheckpointingLayer``), which otherwise calls the forward: not what runs in a decode step."""
@@ -164,17 +180,25 @@ def _checkpointing_wrapper(fn) -> bool:
             and "GradientCheckpointingLayer." in getattr(code, "co_qualname", ""))
 
 
+def _renaming_wrapper(fn) -> bool:
+    """Whether ``fn`` is transformers' ``deprecate_kwarg`` wrapper (5.24 puts one on each layer's forward to take the
+    old name of an argument), which only renames keywords before it calls the forward."""
+    code = getattr(fn, "__code__", None)
+    return (hasattr(fn, "__wrapped__") and code is not None and code.co_filename.endswith("deprecation.py")
+            and code.co_name == "wrapped_func")
+
+
 def _prenorm_layers(model):
     """The decoder layers whose ``forward`` is ``_prenorm_layer`` (the same bytecode, names and constants: any other
     code, a hook or a patched ``forward`` keeps the layer stock)."""
     for module in model.modules():
         forward = type(module).__dict__.get("forward") or getattr(type(module), "forward", None)
-        while _checkpointing_wrapper(forward):
+        while _checkpointing_wrapper(forward) or _renaming_wrapper(forward):
             forward = forward.__wrapped__
         code = getattr(forward, "__code__", None)
         if code is None or not _unhooked(module) or forward.__defaults__ != _prenorm_layer.__defaults__:
             continue
-        if all(getattr(code, a) == getattr(_prenorm_layer.__code__, a) for a in _CODE):
+        if any(all(getattr(code, a) == getattr(ours, a) for a in _CODE) for ours in _PRENORM_CODES):
             yield module
 
 
@@ -408,15 +432,15 @@ class FusedModules:
                 family.apply_rotary_pos_emb = rope
             self.skinny.release()
 
-    def layer_step(self, twins, layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                   use_cache=False, position_embeddings=None, **kwargs):
+    def layer_step(self, twins, layer, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                   past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
         """``_prenorm_layer`` (``layer``'s own code) with its two residual adds fused into other launches: the first
         into the post-attention norm's compiled kernel, the second into the down projection's product (``twins``:
         the norm's and the MLP's calls while active; a module without one runs its stock call and the add)."""
         update, _ = layer.self_attn(
             hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
+            position_ids=position_ids, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+            **{CACHE_ARG: given_cache(cache, past_key_values)})
         norm, mlp = layer.post_attention_layernorm, layer.mlp
         if norm in twins:
             hidden_states, update = self._twin(_add_then_norm)(norm, hidden_states, update)
@@ -599,23 +623,22 @@ class GraphDecodeMixin:
     graph_cache = None  # the method's cache class
     defers_rope = True  # a captured step leaves the family's RoPE of q/k to the method's decode kernel
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, past_key_values=None,
                                       attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
         """generate()'s one-token step on the method's cache gets what the stock method returns: the last column of
         the ids (a contiguous copy) and of the position ids, the cache, the 2-D mask, ``use_cache`` and
         ``logits_to_keep``. The stock method spends 60-200 us of host time per step on work that does not apply here
         (a signature inspection for remote-code models, a parameter walk for the device), and the device idles
         meanwhile: generate() syncs on its stopping criteria after every step."""
-        if (next_sequence_length != 1 or not isinstance(past_key_values, self.graph_cache) or is_first_iteration
+        cache = given_cache(cache, past_key_values)
+        if (next_sequence_length != 1 or not isinstance(cache, self.graph_cache) or is_first_iteration
                 or inputs_embeds is not None
                 or not kwargs.keys() <= {"use_cache", "position_ids", "logits_to_keep", "tokenizer"}
                 or input_ids.dim() != 2 or input_ids.device != self.get_input_embeddings().weight.device):
             return super().prepare_inputs_for_generation(
-                input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
-                attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
-                **kwargs)
-        inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format),
-                  "past_key_values": past_key_values}
+                input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs, **{CACHE_ARG: cache})
+        inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format), CACHE_ARG: cache}
         if (positions := kwargs.pop("position_ids", None)) is not None:
             if positions.shape[-1] != 1:
                 positions = positions[..., -1:].clone(memory_format=torch.contiguous_format)
@@ -623,7 +646,7 @@ class GraphDecodeMixin:
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
             # generate() made it: its last one extended by a column of ones (the cache may skip reading it)
-            past_key_values.__dict__["extended_mask"] = attention_mask
+            cache.__dict__["extended_mask"] = attention_mask
         inputs.update(kwargs)
         return inputs
 
@@ -670,7 +693,7 @@ class GraphDecodeMixin:
         parent = super().forward
 
         def step(input_ids, position_ids):
-            return parent(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True).logits
+            return parent(input_ids=input_ids, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache}).logits
 
         fused = None
         if getattr(self.config, f"{self.method}_compile_decode", True):

@@ -18,6 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from cca_convert.kernels.cca_reference import apply_rope
+from cca_convert.modeling.attention_hooks import CACHE_ARG, given_cache
 from cca_convert.modeling.attention_cca import cca_attention, full_causal_attention, left_padding, shift_rows
 from cca_convert.modeling.cache_cca import CCACache
 
@@ -135,7 +136,7 @@ class CCAModel(CCAPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_ARG: past_key_values})
 
 
 class CCAForCausalLM(CCAPreTrainedModel, GenerationMixin):
@@ -157,13 +158,14 @@ class CCAForCausalLM(CCAPreTrainedModel, GenerationMixin):
         labels=None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,  # (generate()'s name for it from transformers 5.24 on)
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
         )
@@ -173,7 +175,7 @@ class CCAForCausalLM(CCAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARG: getattr(outputs, CACHE_ARG)})
 
 
 __all__ = ["CCAForCausalLM", "CCAModel", "CCAPreTrainedModel"]

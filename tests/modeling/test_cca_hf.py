@@ -14,6 +14,7 @@ import transformers
 from cca_convert.families import FAMILIES as TABLE
 from cca_convert.modeling import cca_hf as hf
 from cca_convert.modeling import decode_graph
+from cca_convert.modeling.attention_hooks import CACHE_ARG
 from tests.support.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
 
 
@@ -243,7 +244,7 @@ def test_the_model_holds_no_cache_after_generate():
 
     _, cca = stock_and_cca("llama")
     caches = []
-    cca.model.register_forward_pre_hook(lambda m, a, k: caches.append(weakref.ref(k["past_key_values"])),
+    cca.model.register_forward_pre_hook(lambda m, a, k: caches.append(weakref.ref(k[CACHE_ARG])),
                                         with_kwargs=True)
     out = cca.generate(ids(bsz=2, length=13), max_new_tokens=4, do_sample=False, use_cache=True,
                        return_dict_in_generate=True)
@@ -358,3 +359,31 @@ def test_the_inner_model_with_its_own_cache_gets_a_clear_error_and_with_ours_the
     cache = hf.HFCCACache(cca.config)
     parts = [cca.model(x[:, a:b], past_key_values=cache, use_cache=True).last_hidden_state for a, b in ((0, 20), (20, 30))]
     torch.testing.assert_close(torch.cat(parts, 1), cca.model(x, use_cache=False).last_hidden_state, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["cca", "dca"])
+@torch.no_grad()
+def test_the_cache_goes_in_under_either_name_and_comes_back_under_this_transformers_name(method):
+    """transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (generate()
+    passes ``cache=``): a method's model takes either name on any version, hands its layers the one their version
+    reads, returns this version's field, and refuses two different caches at once."""
+    from tests.modeling.test_dca_hf import stock_and_dca
+    import warnings
+
+    model = stock_and_cca("llama")[1] if method == "cca" else stock_and_dca("llama")[1]
+    x = ids(bsz=2, length=30)
+    want = model(x, use_cache=False).logits
+    for name in ("cache", "past_key_values"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # (no deprecated name handed on to transformers)
+            first = model(x[:, :20], use_cache=True)
+            cache = getattr(first, CACHE_ARG)
+            assert type(cache).__name__ == ("HFCCACache" if method == "cca" else "DCACache")
+            steps = [model(x[:, i:i + 1], use_cache=True, **{name: cache}) for i in range(20, 30)]
+        assert all(getattr(step, CACHE_ARG) is cache for step in steps)
+        assert cache.get_seq_length() == 30
+        got = torch.cat([first.logits] + [step.logits for step in steps], 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    other = model(x[:, :20], use_cache=True)
+    with pytest.raises(ValueError, match="both cache= and past_key_values= were passed"):
+        model(x[:, 20:21], use_cache=True, cache=cache, past_key_values=getattr(other, CACHE_ARG))
