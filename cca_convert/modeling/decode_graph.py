@@ -570,7 +570,7 @@ def defer_stop_checks(is_supported):
     """``DeferredStopCheck.is_supported`` that also says yes on CUDA for a method's cache (a cache class with a
     ``stop_check_option``: the config switch, default on, that it reads from its ``config``).
 
-    generate() syncs with the device once per step to read its stopping flag; transformers (5.17-5.23) reads it one
+    generate() syncs with the device once per step to read its stopping flag; transformers (5.17-5.24) reads it one
     step late instead, with the host queueing the next step meanwhile, only on MPS. A replayed step (about 4.7 ms for
     CCA on an H200 at 128K) then waits for ~0.35 ms of generate()'s host work every token (benchmarks/results/
     decode-generate-h200.md). Deferred, the host runs one step ahead and a stop costs one extra step, whose token
