@@ -6,6 +6,7 @@ several families built from transformers' own configs."""
 import copy
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ import transformers
 
 from cca_convert.families import FAMILIES as TABLE
 from cca_convert.modeling import cca_hf as hf
+from cca_convert.modeling import dca_hf
 from cca_convert.modeling import decode_graph
 from cca_convert.modeling.attention_hooks import CACHE_ARG
+from tests.modeling.test_dca_hf import stock_and_dca
 from tests.support.factories import TINY, cca_hf_model_from, cca_model_from, tiny_base_model
 
 
@@ -367,9 +370,6 @@ def test_the_cache_goes_in_under_either_name_and_comes_back_under_this_transform
     """transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (generate()
     passes ``cache=``): a method's model takes either name on any version, hands its layers the one their version
     reads, returns this version's field, and refuses two different caches at once."""
-    from tests.modeling.test_dca_hf import stock_and_dca
-    import warnings
-
     model = stock_and_cca("llama")[1] if method == "cca" else stock_and_dca("llama")[1]
     x = ids(bsz=2, length=30)
     want = model(x, use_cache=False).logits
@@ -378,7 +378,7 @@ def test_the_cache_goes_in_under_either_name_and_comes_back_under_this_transform
             warnings.simplefilter("error", FutureWarning)  # (no deprecated name handed on to transformers)
             first = model(x[:, :20], use_cache=True)
             cache = getattr(first, CACHE_ARG)
-            assert type(cache).__name__ == ("HFCCACache" if method == "cca" else "DCACache")
+            assert isinstance(cache, hf.HFCCACache if method == "cca" else dca_hf.DCACache)
             steps = [model(x[:, i:i + 1], use_cache=True, **{name: cache}) for i in range(20, 30)]
         assert all(getattr(step, CACHE_ARG) is cache for step in steps)
         assert cache.get_seq_length() == 30
