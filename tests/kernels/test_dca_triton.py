@@ -236,8 +236,9 @@ def test_gpu_triton_prefill_where_gluon_would_serve():
 
 @pytest.mark.gpu
 def test_gpu_pointer_path():
-    """The tile fetch a pre-Hopper GPU (or unaligned rows) gets."""
+    """The tile fetch a pre-Hopper GPU (or unaligned rows) gets: prefill, and decode over a long cache in splits."""
     case(1, 32, 8, 4500, 128, 768, 96, dtype=torch.bfloat16, use_tma=False)
+    case(2, 28, 4, 20000, 128, 4096, 512, pads=[0, 1234], lq=1, c_orig=8192, dtype=torch.bfloat16, use_tma=False)
 
 
 @pytest.mark.gpu

@@ -52,10 +52,12 @@ def compile_dca(head_dim: int, temp: bool):
         grid=(1,))
 
 
-def compile_dca_decode(temp: bool):
-    """The DCA Triton kernel's decode form (``dca_triton._dca_fwd``, pointer loads, flash-decoding splits by span):
-    the interpreter runs it on the CPU, but does not type-check it as the compiler does."""
+def compile_dca_decode(temp: bool, tma: bool = True):
+    """The DCA Triton kernel's decode form (``dca_triton._dca_fwd``, flash-decoding splits by span; key/value tiles by
+    TMA as on a Hopper GPU, or by pointer loads): the interpreter runs it on the CPU, but does not type-check it as the
+    compiler does."""
     from cca_convert.kernels import dca_triton as tri
+    from cca_convert.kernels.tma import descriptors
 
     B, H, Hkv, L, d, splits = 1, 32, 8, 32768, 128, 32
     q = torch.empty(B, H, 1, d, dtype=torch.bfloat16)
@@ -64,11 +66,12 @@ def compile_dca_decode(temp: bool):
     i32 = torch.empty(B, dtype=torch.int32)
     table, t = torch.empty(6145, d), torch.empty(B)
     block_m, block_n, warps, stages = tri._CONFIGS["decode"]
+    k_desc, v_desc = descriptors(block_n, d, k, k) if tma else (None, None)
     return tri._dca_fwd.warmup(
-        q, k, k, None, None, o, lse, i32, i32, table, t if temp else None, 0.1, *q.stride()[:3], *k.stride()[:3],
+        q, k, k, k_desc, v_desc, o, lse, i32, i32, table, t if temp else None, 0.1, *q.stride()[:3], *k.stride()[:3],
         *k.stride()[:3], *o.stride()[:4], *lse.stride()[:3], Hkv, 1, L, H // Hkv, 1, 5120, 6144, 1024,
         SPLIT_BY_SPAN=True, HEAD_DIM=d, BLOCK_D=d, ROT_HALF=d // 2, BLOCK_M=block_m, BLOCK_N=block_n, HP=H // Hkv,
-        BMP=block_m // (H // Hkv), PREC="tf32", TMA=False, num_warps=warps, num_stages=stages, grid=(1,))
+        BMP=block_m // (H // Hkv), PREC="tf32", TMA=tma, num_warps=warps, num_stages=stages, grid=(1,))
 
 
 def compile_cca(head_dim: int):
@@ -91,6 +94,7 @@ def main() -> None:
     builds = [("dca d128", lambda: compile_dca(128, False)), ("dca d64 temperature", lambda: compile_dca(64, True)),
               ("dca decode (Triton)", lambda: compile_dca_decode(False)),
               ("dca decode (Triton) temperature", lambda: compile_dca_decode(True)),
+              ("dca decode (Triton) pointer loads", lambda: compile_dca_decode(False, tma=False)),
               ("cca d128", lambda: compile_cca(128)), ("cca d64", lambda: compile_cca(64))]
     for name, build in builds:
         kernel = build()
