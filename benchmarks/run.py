@@ -125,8 +125,8 @@ def index_text() -> str:
         earlier = [f for f in files if any(f.startswith(prefix) for prefix in bench.prefixes)]
         claimed.update(earlier)
         if earlier:
-            out.append(f"- earlier results ({len(earlier)} files, before records): "
-                       + ", ".join(f"`{f}`" for f in earlier))
+            out.append(f"- other results ({len(earlier)} files, not records: from before records, or the script "
+                       "run alone): " + ", ".join(f"`{f}`" for f in earlier))
         out.append("")
     rest = [f for f in files if f not in claimed]
     if rest:
