@@ -26,7 +26,7 @@ Conventions
   layers' caches, one after another (enough to hold 4x the L2, ``--decode-layers``), and the time is divided by
   their number: as in a model step, each layer's keys come from HBM. A cache replayed alone stays in the L2 when it
   fits (8K x 1) and times the L2; the records before 2026-12-01 were taken that way. "K/V read" is the floor under
-  every side: a plain read of the same keys and values (``_read_kv``, summing them; the fastest of READ_CONFIGS),
+  every side: a plain read of the same keys and values (``benchmarks/read_floor.py``),
   and the last two columns each kernel's share of that read speed.
 - ``--model``: Llama-3.1-8B-shaped model with random bf16 weights (32 layers), a real prefill then ``generate()``:
   ms/token = the median step time inside that one generate() call (``benchmarks/step_clock.py``), DCA model vs the
@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.read_floor import fastest_read  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import methods, published  # noqa: E402
@@ -231,57 +231,6 @@ def cache_layers(L, batch, spare=1024, requested=0, l2_bytes=None):
     return max(1, min(32, math.ceil(4 * l2_bytes / per_layer)))
 
 
-@triton.jit
-def _read_kv(K, V, OUT, L, Hkv, cols_per_program, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stream one (batch, KV head)'s keys and values of a column range once and keep a sum (so nothing is skipped):
-    the bytes a decode step's attention must read, with nothing else done to them."""
-    pid_bh, pid_s = tl.program_id(0), tl.program_id(1)
-    b, g = pid_bh // Hkv, pid_bh % Hkv
-    k_base = K + b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + g.to(tl.int64) * stride_vh
-    d = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_N, D], tl.float32)
-    lo = pid_s * cols_per_program
-    for n0 in range(lo, tl.minimum(lo + cols_per_program, L), BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        m = (cols < L)[:, None]
-        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=m, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=m, other=0.0)
-        acc += k.to(tl.float32) + v.to(tl.float32)
-    tl.store(OUT + pid_bh * tl.num_programs(1) + pid_s, tl.sum(acc))
-
-
-# (BLOCK_N, warps, stages, programs per SM): the read floor is the fastest of these
-READ_CONFIGS = [(64, 4, 3, 2), (64, 4, 4, 4), (128, 4, 3, 2), (128, 8, 3, 4), (128, 8, 4, 2), (256, 8, 2, 2)]
-
-
-def read_kv(k, v, block_n=128, warps=8, stages=3, per_sm=2, sms=None):
-    """Sum of keys and values over their first L columns in fp32, by programs of ``_read_kv`` (one per (batch, KV
-    head) x column range, ``per_sm`` per SM): a plain read of a decode step's cache bytes, the attention's floor."""
-    B, Hkv, L, d = k.shape
-    sms = sms or (torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 1)
-    splits = max(1, math.ceil(sms * per_sm / (B * Hkv)))
-    cols = math.ceil(math.ceil(L / splits) / block_n) * block_n
-    splits = math.ceil(L / cols)
-    out = torch.empty(B * Hkv * splits, device=k.device, dtype=torch.float32)
-    _read_kv[(B * Hkv, splits)](k, v, out, L, Hkv, cols, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-                                v.stride(1), v.stride(2), D=d, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    return out.sum()
-
-
-def read_floor(views):
-    """ms per layer of the fastest READ_CONFIGS read over ``views`` (each layer's (keys, values)), in CUDA graphs."""
-    best = float("inf")
-    for block_n, warps, stages, per_sm in READ_CONFIGS:
-        def call(cfg=(block_n, warps, stages, per_sm)):
-            for k, v in views:
-                out = read_kv(k, v, *cfg)
-            return out
-        best = min(best, measure_graph(call))
-    return best
-
-
 def decode_calls(L, batch, spare=1024, layers=1):
     """One decode step's attention, batch ``batch`` at position L-1 of an L-token cache, over ``layers`` layers'
     caches one after another (each call times them all; the callers divide by ``layers``):
@@ -336,7 +285,7 @@ def decode_rows(lengths, batches=(1,), layers=0):
             n = cache_layers(L, batch, requested=layers)
             calls, views = decode_calls(L, batch, layers=n)
             ms = {name: measure_graph(fn) / n for name, fn in calls.items()}
-            ms["K/V read"] = read_floor(views) / n
+            ms["K/V read"] = fastest_read(views, measure_graph) / n
             rows.append({"L": L, "batch": batch, "layers": n, "ms": ms})
             print(f"  decode L={L} batch={batch} ({n} layers' caches): "
                   + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in rows[-1]["ms"].items()), flush=True)

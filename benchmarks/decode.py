@@ -27,7 +27,9 @@ Models (Llama-3.1-8B shape, random bf16 weights shared by all rows; ``--smoke``:
   causal attention) on the same weights, so its decode kernel, one-launch cache writes, few-row products and CUDA-graph
   steps. A ratio to it measures the method, not the software around it.
 - ``floor``: the bytes one decode step must read (every weight but the input embedding, plus the cache at context L)
-  over the GPU's memory bandwidth; "% floor" = floor / measured.
+  over the GPU's memory bandwidth (its datasheet's); "% floor" = floor / measured. The "read floor" is the same bytes
+  over the bandwidth this GPU reaches in a plain read of 4 GiB (``benchmarks/read_floor.py``, measured at the start
+  of the run): what a step would take if it did nothing but read them.
 
 Long prompts are prefilled in chunks (transformers' ``prefill_chunk_size``) for every row, so that batch x context
 fits in activation memory: ``--prefill-chunk`` tokens per row, fewer for large batches so that one chunk holds at
@@ -58,6 +60,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.read_floor import read_bandwidth  # noqa: E402
 from benchmarks.results_out import save_results  # noqa: E402
 from benchmarks.step_clock import timed_generate  # noqa: E402
 from cca_convert import methods, published  # noqa: E402
@@ -238,12 +241,12 @@ def release(model):
         torch.cuda.empty_cache()
 
 
-def table(rows, bandwidth_name) -> str:
+def table(rows, bandwidth_name, read_name=None) -> str:
     lines = [f"| L | batch | {' | '.join(f'{b} ms/token' for b in BACKENDS)} | CCA floor ms (% floor) | "
              f"full floor ms (full-static % floor) | CCA vs full-static | CCA vs full | CCA-eager vs full | "
              f"CCA tokens/s | full floor ms (DCA % floor) | DCA vs full-static | CCA vs full-kernels | "
-             f"DCA vs full-kernels |",
-             "|" + " --- |" * (len(BACKENDS) + 12)]
+             f"DCA vs full-kernels | full read floor ms (DCA % of it) |",
+             "|" + " --- |" * (len(BACKENDS) + 13)]
     for r in rows:
         cells = r["cells"]
 
@@ -262,8 +265,9 @@ def table(rows, bandwidth_name) -> str:
             return f"{floor:.2f} ({100 * floor / c['ms_per_token']:.0f}%)" if isinstance(c, dict) else f"{floor:.2f}"
 
         cca = cells.get("cca")
+        read = pct("dca", r["floor_read_ms"]) if r.get("floor_read_ms") else "-"
         dca = (f"{pct('dca', r['floor_full_ms'])} | {ratio('full-static', 'dca')} | {ratio('full-kernels')} | "
-               f"{ratio('full-kernels', 'dca')}")
+               f"{ratio('full-kernels', 'dca')} | {read}")
         shortcut = next((c["prefilled_rows"] for c in cells.values() if isinstance(c, dict)
                          and c.get("prefilled_rows", r["batch"]) < r["batch"]), None)
         batch = f"{r['batch']} ({shortcut} prefilled, repeated)" if shortcut else r["batch"]
@@ -274,8 +278,9 @@ def table(rows, bandwidth_name) -> str:
                      f"| {r['context']} | {batch} | {' | '.join(ms(b) for b in BACKENDS)} | "
                      f"{r['floor_cca_ms']:.2f} | {r['floor_full_ms']:.2f} | - | - | {ratio('full', 'cca-eager')} | - | "
                      f"{dca} |")
-    lines.append(f"\nfloor: bytes read per step / {bandwidth_name} (DCA keeps every key: the full floor); ratios > "
-                 "1x: the method is faster")
+    lines.append(f"\nfloor: bytes read per step / {bandwidth_name} (DCA keeps every key: the full floor)"
+                 + (f"; read floor: the same bytes / {read_name}, this GPU's plain read of 4 GiB" if read_name else "")
+                 + "; ratios > 1x: the method is faster")
     return "\n".join(lines)
 
 
@@ -329,6 +334,11 @@ def main() -> int:
         if not args.smoke:
             ap.error(f"no memory bandwidth known for {name!r}: pass --bandwidth BYTES_PER_S")
         bandwidth = 1e11  # a smoke run's floor is not a claim
+    read_bw = read_bandwidth(device) if device.type == "cuda" and not args.smoke else None
+    read_name = f"{read_bw / 1e12:.2f} TB/s" if read_bw else None
+    if read_bw:
+        print(f"plain read of 4 GiB: {read_name} ({read_bw / bandwidth:.0%} of the {bandwidth / 1e12:.2f} TB/s "
+              "datasheet bandwidth)", flush=True)
     kept, processes = {}, 0
     if args.resume:
         kept, processes = resumed(ap, args, name)
@@ -344,7 +354,8 @@ def main() -> int:
     rows = [by_key[k] for k in sorted(by_key)]
     for r in rows:
         r.update(floor_cca_ms=floor_ms(cca, "cca", r["context"], r["batch"], bandwidth),
-                 floor_full_ms=floor_ms(cca, "full", r["context"], r["batch"], bandwidth))
+                 floor_full_ms=floor_ms(cca, "full", r["context"], r["batch"], bandwidth),
+                 floor_read_ms=floor_ms(cca, "full", r["context"], r["batch"], read_bw) if read_bw else None)
     todo = [(k, b) for k in grid for b in backends if by_key[k]["cells"].get(b, "OOM") == "OOM"]  # OOM: try again
     for k, b in todo:
         by_key[k]["cells"].pop(b, None)
@@ -363,11 +374,12 @@ def main() -> int:
         if not args.out:
             return
         done = sum(len(r["cells"]) for r in rows)
-        text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s")
+        text = head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s", read_name)
         if not complete:
             text += f"\n\n(partial: {done} of {cells} cells so far)"
         save_results(args.out, "decode", text, {"device": name, "rows": rows, "settings": settings(args, name),
-                                                "processes": processes, "complete": complete})
+                                                "processes": processes, "complete": complete,
+                                                "read_bandwidth": read_bw})
 
     memory = (args.memory_gib * 2**30 if args.memory_gib is not None else
               torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
@@ -398,7 +410,7 @@ def main() -> int:
     if kept:
         print(f"  kept from the run resumed: {sum(c != 'OOM' for r in kept.values() for c in r['cells'].values())} "
               "cells", flush=True)
-    print("\n" + head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s"))
+    print("\n" + head + "\n\n" + table(rows, f"{bandwidth / 1e12:.2f} TB/s", read_name))
     save(complete=True)
     return 0
 

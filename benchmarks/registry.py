@@ -72,4 +72,4 @@ BENCHMARKS = {b.name: b for b in (
 )}
 
 # Helpers the benchmarks share (not benchmarks themselves).
-HELPERS = {"registry.py", "run.py", "results_out.py", "step_clock.py"}
+HELPERS = {"registry.py", "run.py", "results_out.py", "step_clock.py", "read_floor.py"}
