@@ -337,8 +337,8 @@ def main() -> int:
     read_bw = read_bandwidth(device) if device.type == "cuda" and not args.smoke else None
     read_name = f"{read_bw / 1e12:.2f} TB/s" if read_bw else None
     if read_bw:
-        print(f"plain read of 4 GiB: {read_name} ({read_bw / bandwidth:.0%} of the {bandwidth / 1e12:.2f} TB/s "
-              "datasheet bandwidth)", flush=True)
+        print(f"plain read of 4 GiB: {read_name} ({read_bw / bandwidth:.0%} of the floor's {bandwidth / 1e12:.2f} "
+              "TB/s)", flush=True)
     kept, processes = {}, 0
     if args.resume:
         kept, processes = resumed(ap, args, name)

@@ -70,8 +70,12 @@ def read_bandwidth(device, gib: float = 4.0) -> float:
     cols = int(gib * 2**30 / (2 * 2 * 64 * 128))  # keys + values, 64 "heads" of d 128, bf16
     k = torch.ones(1, 64, cols, 128, device=device, dtype=torch.bfloat16)
     v = torch.ones_like(k)
-    measure = lambda fn: (fn(), torch.cuda.synchronize(),  # noqa: E731 (compile outside the capture)
-                          triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))[-1]
+
+    def measure(fn):
+        fn()  # compile outside the capture
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
     ms = fastest_read([(k, v)], measure)
     nbytes = 2 * k.numel() * k.element_size()
     del k, v

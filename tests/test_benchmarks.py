@@ -30,6 +30,25 @@ def test_decode_benchmark_times_generate_for_every_backend(tmp_path):
     assert "| 70 | 2 |" in (tmp_path / "decode.md").read_text()
 
 
+def test_decode_table_puts_dca_beside_the_measured_read_floor():
+    """decode.py's last column is DCA's share of the read floor (the step's bytes at the GPU's measured read
+    speed), and its footer names that speed; runs without a measured read (CPU) print "-" and no such footer."""
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    row = {"context": 8192, "batch": 1, "floor_cca_ms": 3.17, "floor_full_ms": 3.35, "floor_read_ms": 3.66,
+           "cells": {"dca": {"ms_per_token": 5.05}}}
+    text = decode.table([row], "4.80 TB/s", "4.39 TB/s")
+    line = next(x for x in text.splitlines() if x.startswith("| 8192 |"))
+    header = text.splitlines()[0]
+    assert line.count("|") == header.count("|")
+    assert line.rstrip(" |").endswith("3.66 (72%)") and "3.35 (66%)" in line
+    assert "read floor: the same bytes / 4.39 TB/s" in text
+    text = decode.table([{**row, "floor_read_ms": None}], "4.80 TB/s")
+    assert next(x for x in text.splitlines() if x.startswith("| 8192 |")).rstrip(" |").endswith("-")
+    assert "read floor" not in text.split("\n\n")[-1]
+
+
 @torch.no_grad()
 def test_decode_benchmarks_full_kernels_row_is_full_attention():
     """The full-kernels row runs the DCA class with one chunk holding every position: stock full attention's logits
