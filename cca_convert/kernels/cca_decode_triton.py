@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rope_triton import eager_rope
+
 _SM_COUNT = {}
 EAGER_ROPE_DTYPES = (torch.bfloat16, torch.float32)  # whose eager RoPE rounding the append kernel reproduces exactly
 
@@ -244,26 +246,6 @@ def cca_decode_attention_triton(q, core_k, core_v, n_core, win_k, win_v, pos, wi
 
 
 @triton.jit
-def _round_bf16(v):
-    """fp32 ``v`` rounded to bf16's precision (nearest, ties to even), kept in fp32: done on the bits, because the
-    compiler folds a bf16 round trip (``v.to(bf16).to(fp32)``) away."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _eager_rope(x, x_r, c, s, sign):
-    """x * cos + rotate_half(x) * sin (``x_r``: x at rotate_half's indices) rounded as eager PyTorch rounds it in x's
-    dtype (bf16 or fp32): each product, then the sum."""
-    a = x.to(tl.float32) * c
-    b = x_r.to(tl.float32) * sign * s
-    if x.dtype == tl.bfloat16:
-        a, b = _round_bf16(a), _round_bf16(b)
-    return (a + b).to(x.dtype)
-
-
-@triton.jit
 def _append_pool_kernel(
     Q, K, V, COS, SIN, REAL, SEEN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct, s_sb, s_st, s_real, s_rt, s_ob, s_ot,
@@ -327,7 +309,7 @@ def _append_one(Q, K, V, COS, SIN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV, real, t
         c_r = tl.load(COS + rot).to(tl.float32)
         s_r = tl.load(SIN + rot).to(tl.float32)
         if ROTATED == 2:  # pre-RoPE, rotated here as the family would have: then exactly the post-RoPE path
-            k_in, k_in_r = _eager_rope(k_in, k_in_r, c, s, sign), _eager_rope(k_in_r, k_in, c_r, s_r, -sign)
+            k_in, k_in_r = eager_rope(k_in, k_in_r, c, s, sign), eager_rope(k_in_r, k_in, c_r, s_r, -sign)
         kf, kf_r = k_in.to(tl.float32), k_in_r.to(tl.float32)
         k = ((kf * c - sign * kf_r * s) / (c * c + s * s)).to(K.dtype.element_ty)
         k_r = ((kf_r * c_r + sign * kf * s_r) / (c_r * c_r + s_r * s_r)).to(K.dtype.element_ty)
@@ -340,7 +322,7 @@ def _append_one(Q, K, V, COS, SIN, QROT, WK, WV, GK, MIDC, MIDS, CK, CV, real, t
     if ROTATED == 1:
         q_rot = tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0).to(QROT.dtype.element_ty)
     elif ROTATED == 2:
-        q_rot = _eager_rope(tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0),
+        q_rot = eager_rope(tl.load(qp + dd[None, :], mask=rmask[:, None], other=0.0),
                             tl.load(qp + rot[None, :], mask=rmask[:, None], other=0.0),
                             c[None, :], s[None, :], sign[None, :]).to(QROT.dtype.element_ty)
     else:

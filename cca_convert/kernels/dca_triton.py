@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .dca_params import check_params
+from .rope_triton import eager_rope
 from .tma import descriptors, use_tma as _use_tma
 
 try:  # the Hopper prefill kernel (Gluon: triton 3.6); without it this file's kernel serves every GPU. The first line's
@@ -212,15 +213,38 @@ def _merge_splits(PARTS, LSE, O, n_splits, H, Lq,
 
 
 @triton.jit
-def _rotate_keys(K, OUT, KPOS, ROPE, COLS, V, V_OUT, POS_OUT, VALID, VALID_OUT,
+def _family_round_trip(row, fcos, fsin, icos, isin, hmask, h, ROT_HALF: tl.constexpr):
+    """Rows of q or k before the family's RoPE -> its RoPE (tables ``fcos``, ``fsin`` at the rows' tokens) in their
+    dtype -> its inverse (``icos``, ``isin``: ``attention_hooks.inverse_rope``'s) in fp32, each op rounded as the eager
+    op (``attention_hooks.unrope`` of the rotated rows; the launch keeps products out of the sums): both halves, fp32."""
+    x1 = tl.load(row + h[None, :], mask=hmask, other=0.0)
+    x2 = tl.load(row + ROT_HALF + h[None, :], mask=hmask, other=0.0)
+    c1 = tl.load(fcos, mask=hmask, other=0.0).to(tl.float32)
+    c2 = tl.load(fcos + ROT_HALF, mask=hmask, other=0.0).to(tl.float32)
+    s1 = tl.load(fsin, mask=hmask, other=0.0).to(tl.float32)
+    s2 = tl.load(fsin + ROT_HALF, mask=hmask, other=0.0).to(tl.float32)
+    r1 = eager_rope(x1, x2, c1, s1, -1.0).to(tl.float32)
+    r2 = eager_rope(x2, x1, c2, s2, 1.0).to(tl.float32)
+    c1, c2 = tl.load(icos, mask=hmask, other=0.0), tl.load(icos + ROT_HALF, mask=hmask, other=0.0)
+    s1, s2 = tl.load(isin, mask=hmask, other=0.0), tl.load(isin + ROT_HALF, mask=hmask, other=0.0)
+    return eager_rope(r1, r2, c1, s1, -1.0), eager_rope(r2, r1, c2, s2, 1.0)
+
+
+@triton.jit
+def _rotate_keys(K, OUT, KPOS, ROPE, COLS, V, V_OUT, POS_OUT, VALID, VALID_OUT, Q, Q_OUT, FCOS, FSIN, ICOS, ISIN,
                  stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
                  stride_vb, stride_vh, stride_vn, stride_wb, stride_wh, stride_wn, stride_pb, stride_qb, stride_rb,
-                 Hkv, Lk, S_LEN, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, APPEND: tl.constexpr):
+                 stride_xb, stride_xh, stride_xn, stride_yb, stride_yh, stride_yn, stride_fb, stride_fn,
+                 stride_ib, stride_in,
+                 Hkv, Lk, S_LEN, REP, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, APPEND: tl.constexpr,
+                 UNROPE: tl.constexpr):
     """Keys rotated at ``j % s`` (``dca_reference.rotate_keys``) from the same cos/sin table as the queries, by halves
     (x1, x2 -> x1 cos - x2 sin, x2 cos + x1 sin: each table entry and key element read once); dims past the rotary
     ones copied. APPEND: written at the cache columns ``COLS`` instead, with the values, positions and validity beside
-    them (what ``DCALayerCache.append`` does in four index copies)."""
+    them (what ``DCALayerCache.append`` does in four index copies). UNROPE: ``K`` and the queries ``Q`` are a captured
+    step's, which the family's RoPE left un-rotated; they first take the family's RoPE and its inverse as the eager
+    step computes them (``_family_round_trip``), and the queries are written to ``Q_OUT``."""
     pid_bh, pid_n = tl.program_id(0), tl.program_id(1)
     b, g = pid_bh // Hkv, pid_bh % Hkv
     n = pid_n * BLOCK + tl.arange(0, BLOCK)
@@ -228,8 +252,23 @@ def _rotate_keys(K, OUT, KPOS, ROPE, COLS, V, V_OUT, POS_OUT, VALID, VALID_OUT,
     h = tl.arange(0, BLOCK_H)
     hmask = rows[:, None] & (h < ROT_HALF)[None, :]
     k_row = K + b.to(tl.int64) * stride_kb + g * stride_kh + n.to(tl.int64)[:, None] * stride_kn
-    x1 = tl.load(k_row + h[None, :], mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_row + ROT_HALF + h[None, :], mask=hmask, other=0.0).to(tl.float32)
+    if UNROPE:
+        n64 = n.to(tl.int64)[:, None]
+        fcos = FCOS + b.to(tl.int64) * stride_fb + n64 * stride_fn + h[None, :]
+        fsin = FSIN + b.to(tl.int64) * stride_fb + n64 * stride_fn + h[None, :]
+        icos = ICOS + b.to(tl.int64) * stride_ib + n64 * stride_in + h[None, :]
+        isin = ISIN + b.to(tl.int64) * stride_ib + n64 * stride_in + h[None, :]
+        x1, x2 = _family_round_trip(k_row, fcos, fsin, icos, isin, hmask, h, ROT_HALF)
+        for r in range(REP):  # the KV head's query heads, back before the RoPE, in the values' dtype
+            head = (g * REP + r).to(tl.int64)
+            q1, q2 = _family_round_trip(Q + b.to(tl.int64) * stride_xb + head * stride_xh + n64 * stride_xn,
+                                        fcos, fsin, icos, isin, hmask, h, ROT_HALF)
+            y_row = Q_OUT + b.to(tl.int64) * stride_yb + head * stride_yh + n64 * stride_yn
+            tl.store(y_row + h[None, :], q1.to(Q_OUT.dtype.element_ty), mask=hmask)
+            tl.store(y_row + ROT_HALF + h[None, :], q2.to(Q_OUT.dtype.element_ty), mask=hmask)
+    else:
+        x1 = tl.load(k_row + h[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_row + ROT_HALF + h[None, :], mask=hmask, other=0.0).to(tl.float32)
     kpos = tl.load(KPOS + b * Lk + n, mask=rows, other=0)
     tab = ROPE + (tl.maximum(kpos, 0) % S_LEN)[:, None] * (2 * ROT_HALF) + h[None, :]
     cos = tl.load(tab, mask=hmask, other=1.0)
@@ -286,10 +325,15 @@ def rotate_keys_triton(k, kpos, chunk_size, local_size, table, dtype=None):
     return out
 
 
-def append_rotated_triton(k, v, pos, valid, columns, chunk_size, local_size, table, buffers):
+def append_rotated_triton(k, v, pos, valid, columns, chunk_size, local_size, table, buffers, deferred=None):
     """A cache pass in one launch: ``k`` (B, Hkv, n, d) rotated at ``pos % s`` into ``buffers[0]`` at the columns
     ``columns`` (n,), and ``v``, ``pos`` (B, n) and ``valid`` (B, n) into ``buffers[1..3]`` there: what
-    ``rotate_keys_triton`` then four ``index_copy_`` do (``DCALayerCache.append``)."""
+    ``rotate_keys_triton`` then four ``index_copy_`` do (``DCALayerCache.append``).
+
+    deferred: ``(q, cos, sin, icos, isin)`` for a captured step's q (B, H, n, d) and k, which the family's RoPE left
+    un-rotated (``decode_graph._deferring``), its tables (B, n, d) and their inverse (``inverse_rope(cos, sin)``):
+    both first take what the eager step computes from them, the family's RoPE then its inverse in fp32
+    (``decode_graph.rope_round_trip``, bit for bit), in this launch; returns the queries in ``v``'s dtype."""
     keys, values, positions, validity = buffers
     if (v.dtype != values.dtype or keys.shape[:2] != k.shape[:2] or values.shape[:2] != v.shape[:2]
             or pos.shape != valid.shape or any(x.stride(-1) != 1 for x in (keys, values, positions, validity))):
@@ -297,26 +341,49 @@ def append_rotated_triton(k, v, pos, valid, columns, chunk_size, local_size, tab
     pos = pos if pos.stride(-1) == 1 else pos.contiguous()
     valid = valid if valid.stride(-1) == 1 else valid.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    q_out = None
+    if deferred is not None:
+        q, cos, sin, icos, isin = deferred
+        bsz, _, n, head_dim = k.shape
+        if (q.shape[0] != bsz or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1] or q.dtype != k.dtype
+                or table.shape[1] != head_dim or icos.dtype != torch.float32):
+            raise ValueError("append_rotated_triton: a deferred RoPE needs q/k of one dtype, full-width tables and "
+                             "fp32 inverse tables")
+        # (1, n, d) tables (one set of positions) serve every row
+        cos, sin, icos, isin = (t.expand(bsz, n, head_dim) for t in (cos, sin, icos, isin))
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        if icos.stride() != isin.stride() or icos.stride(-1) != 1:
+            icos, isin = icos.contiguous(), isin.contiguous()
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        q_out = torch.empty(bsz, n, q.shape[1], head_dim, device=q.device, dtype=v.dtype).transpose(1, 2)
+        deferred = (q, q_out, cos, sin, icos, isin)
     _launch_rotate(k, pos, chunk_size, local_size, table, keys, columns.contiguous(), v, values, positions,
-                   valid, validity)
+                   valid, validity, deferred)
+    return q_out
 
 
 def _launch_rotate(k, kpos, chunk_size, local_size, table, out, columns=None, v=None, v_out=None, pos_out=None,
-                   valid=None, valid_out=None):
+                   valid=None, valid_out=None, deferred=None):
     bsz, n_kv, k_len, head_dim = k.shape
     k = k if k.stride(-1) == 1 else k.contiguous()
     append = columns is not None
     v_strides = (*v.stride()[:3], *v_out.stride()[:3]) if append else (0,) * 6
     m_strides = (pos_out.stride(0), valid.stride(0), valid_out.stride(0)) if append else (0,) * 3
+    q, q_out, cos, sin, icos, isin = deferred or (None,) * 6
+    q_strides = (*q.stride()[:3], *q_out.stride()[:3], *cos.stride()[:2], *icos.stride()[:2]) if deferred else (0,) * 10
     block = 16 if k.device.type != "cuda" else 64
     rot_half = table.shape[1] // 2
     rest = head_dim - 2 * rot_half
+    # enable_fp_fusion=False: each product rounded before its sum, as eager ops round (a deferred RoPE's round trip
+    # then gives the eager step's numbers)
     _rotate_keys[(bsz * n_kv, triton.cdiv(k_len, block))](
-        k, out, kpos, table, columns, v, v_out, pos_out, valid, valid_out, *k.stride()[:3], *out.stride()[:3],
-        *v_strides, *m_strides, n_kv, k_len, chunk_size - local_size, HEAD_DIM=head_dim,
+        k, out, kpos, table, columns, v, v_out, pos_out, valid, valid_out, q, q_out, cos, sin, icos, isin,
+        *k.stride()[:3], *out.stride()[:3], *v_strides, *m_strides, *q_strides, n_kv, k_len, chunk_size - local_size,
+        q.shape[1] // n_kv if deferred else 1, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), ROT_HALF=rot_half,
         BLOCK_H=max(16, triton.next_power_of_2(rot_half)), BLOCK_R=triton.next_power_of_2(rest) if rest else 0,
-        BLOCK=block, APPEND=append, num_warps=4)
+        BLOCK=block, APPEND=append, UNROPE=deferred is not None, num_warps=4, enable_fp_fusion=False)
 
 
 @functools.lru_cache(maxsize=None)

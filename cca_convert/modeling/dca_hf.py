@@ -109,13 +109,15 @@ class DCALayerCache(BatchOpsMixin, CacheLayerMixin):
         if free is not None and per_column * plan["columns"] * plan["layers"] > free:
             plan["columns"] = 0
 
-    def append_rotated(self, k, v, pos, valid, columns, chunk, local, table):
+    def append_rotated(self, k, v, pos, valid, columns, chunk, local, table, deferred=None):
         """``append`` of keys not yet rotated (``k``: the pass's keys before RoPE), rotated at ``pos % s`` as they are
-        written: one Triton launch (``append_rotated_triton``) for the five ops of rotating and appending."""
+        written: one Triton launch (``append_rotated_triton``) for the five ops of rotating and appending; with
+        ``deferred``, that launch also takes a captured step's RoPE back (its queries are returned)."""
         like = None if self.buffers is not None else (torch.empty_like(k, dtype=v.dtype), v, pos, valid)
         self.reserve(self.length + k.shape[2], like=like)
-        append_rotated_triton(k, v, pos, valid, columns, chunk, local, table, self.buffers)
+        q = append_rotated_triton(k, v, pos, valid, columns, chunk, local, table, self.buffers, deferred)
         self.length += k.shape[2]
+        return q
 
     def reserve(self, end: int, like=None):
         """Room for ``end`` columns (``like``: tensors of the layout, for the first pass): the planned length in one
@@ -281,16 +283,23 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if layer is not None:
             step["columns"] = cache.next_columns(q_len, query.device)
     qvalid, qpos = step["qvalid"], step["qpos"]
+    kernel = _use_kernel(module.config, query)
     # Under autocast the family's RoPE promotes bf16 q/k to fp32 next to a bf16 v: compute in v's dtype
+    deferred = None
     if take_unrotated(query, key):  # a captured decode step left the family's RoPE to us (decode_graph._deferring)
-        q, k = rope_round_trip(module, query, key, cos, sin, step["inverse"], value.dtype)
+        if layer is not None and kernel and query.dtype == value.dtype:  # the cache write takes it back, as eager
+            deferred = (query, cos, sin, *step["inverse"])
+            q, k = None, key
+        else:
+            q, k = rope_round_trip(module, query, key, cos, sin, step["inverse"], value.dtype)
     else:
         q, k = unrope(module, query, key, cos, sin, step["inverse"])
-    kernel = _use_kernel(module.config, query)
     if kernel and "qpos32" not in step:  # the kernels' int32 positions, cast once per pass (not once per layer)
         step["qpos32"] = qpos.to(torch.int32)
     if layer is not None and kernel:  # rotated and written with the values, positions and validity in one launch
-        layer.append_rotated(k, value, qpos, qvalid, step["columns"], chunk, local, _query_table(rotary, chunk))
+        taken_back = layer.append_rotated(k, value, qpos, qvalid, step["columns"], chunk, local,
+                                          _query_table(rotary, chunk), deferred)
+        q = q if deferred is None else taken_back
     elif kernel:
         k_rot = rotate_keys_triton(k, step["qpos32"], chunk, local, _query_table(rotary, chunk), value.dtype)
     else:

@@ -13,8 +13,8 @@ counters the captured Python code advanced once are put back, and advanced by th
 While a step is warmed up and captured, the model's norms and dense MLPs run as ``torch.compile`` twins of
 transformers' own code (``FusedModules``): one fused kernel where eager code launches one per elementwise op. The
 family's RoPE of the step's q/k is left to the method (``_deferring``; other RoPE calls run a compiled twin): CCA's
-decode kernel rotates them as it writes the cache; DCA, which un-rotates them, runs the RoPE and its inverse as one
-compiled kernel (``rope_round_trip``). The
+decode kernel rotates them as it writes the cache; DCA, which un-rotates them, runs the RoPE and its inverse in its
+cache write's launch (``dca_triton.append_rotated_triton``), or as one compiled kernel (``rope_round_trip``). The
 linear layers of up to 16 rows run as Triton products (``skinny_triton.py``, ``SkinnyLinears``): one launch for a
 layer's q/k/v projections, one for a gated MLP's gate and up projections with its activation. A decoder layer whose
 forward is transformers' pre-norm code (``_prenorm_layer``: Llama's and its copies) adds its residuals in other

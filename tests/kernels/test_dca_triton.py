@@ -286,3 +286,57 @@ def test_append_rotated_matches_rotate_then_index_copy(d, pads, n):
     torch.testing.assert_close(buffers[0][:, :, start:start + n].float(), twin, atol=1e-5, rtol=8e-3)
     with pytest.raises(ValueError, match="do not match the cache"):
         tri.append_rotated_triton(k, v.float(), pos, valid, columns, 13, 4, tri.rope_table(inv_freq, 13, 1.2), buffers)
+
+
+def _deferred_rope_case(dtype, rep, n, device):
+    """A captured step's pass: q/k before the family's RoPE (Llama's), its (B, n, d) tables in q's dtype, and what the
+    eager step computes: transformers' RoPE, then ``attention_hooks.unrope`` (fp32), then the cache write."""
+    from cca_convert.modeling.attention_hooks import inverse_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(rep + n)
+    B, Hkv, d, cap, start = 2, 2, 64, 40, 7
+    q = torch.randn(B, Hkv * rep, n, d, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, n, d, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hkv, n, d, generator=gen).to(device, dtype)
+    ang = (torch.arange(start, start + n)[None, :, None] + torch.tensor([0, 5])[:, None, None]) * \
+        torch.logspace(0, -3, d // 2)
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).mul(1.1).to(device, dtype) for f in (torch.cos, torch.sin))
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(device)
+    pos = torch.arange(start, start + n, device=device)[None].expand(B, n) - torch.tensor([0, 5], device=device)[:, None]
+    valid = torch.ones(B, n, dtype=torch.bool, device=device)
+    columns = torch.arange(start, start + n, device=device)
+    table = tri.rope_table(inv_freq, 13, 1.2)
+    buffers = lambda: [torch.zeros(B, Hkv, cap, d, device=device, dtype=dtype),  # noqa: E731
+                       torch.zeros(B, Hkv, cap, d, device=device, dtype=dtype),
+                       torch.zeros(B, cap, dtype=torch.long, device=device),
+                       torch.zeros(B, cap, dtype=torch.bool, device=device)]
+    inverse = inverse_rope(cos, sin)
+    q_post, k_post = apply_rotary_pos_emb(q, k, cos, sin)
+    q_eager, k_eager = apply_rotary_pos_emb(q_post.float(), k_post.float(), *inverse)  # (attention_hooks.unrope)
+    eager = buffers()
+    tri.append_rotated_triton(k_eager, v, pos, valid, columns, 13, 4, table, eager)
+    fused = buffers()
+    q_fused = tri.append_rotated_triton(k, v, pos, valid, columns, 13, 4, table, fused, (q, cos, sin, *inverse))
+    return q_eager.to(dtype), eager, q_fused, fused
+
+
+@pytest.mark.parametrize("rep,n", [(1, 1), (4, 1), (5, 3), (7, 33)])
+def test_append_takes_a_deferred_rope_back_as_the_eager_step_computes_it(rep, n):
+    """``deferred``: the family's RoPE and its inverse, in the cache write's launch, give the eager step's queries and
+    cache bit for bit (fp32 here: the interpreter rounds 16-bit otherwise than a GPU; bf16 on the GPU below)."""
+    q_eager, eager, q_fused, fused = _deferred_rope_case(torch.float32, rep, n, DEVICE)
+    assert torch.equal(q_fused, q_eager)
+    for got, want in zip(fused, eager):
+        assert torch.equal(got, want)
+    assert eager[0].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rep,n", [(4, 1), (7, 33)])
+def test_gpu_append_takes_a_deferred_rope_back_as_the_eager_step_computes_it(dtype, rep, n):
+    q_eager, eager, q_fused, fused = _deferred_rope_case(dtype, rep, n, "cuda")
+    assert torch.equal(q_fused, q_eager)
+    for got, want in zip(fused, eager):
+        assert torch.equal(got, want)

@@ -448,3 +448,45 @@ def test_a_step_being_captured_takes_the_familys_rope_back_as_eager_computes_it(
     for a, b in zip(cache.layers, other.layers):
         for x, y in zip(a.tensors(), b.tensors()):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_captured_steps_cache_write_takes_the_familys_rope_back_interpreted(family, monkeypatch):
+    """On the kernel path the cache write's launch takes a captured step's RoPE back (``append_rotated_triton``'s
+    ``deferred``) instead of ``rope_round_trip``: the eager kernel step's logits and cache, on a left-padded batch
+    (Triton's interpreter on CPU tensors, fp32; to 1e-6, as the values, which no RoPE touches: the step's compiled
+    norms round otherwise. The launch alone is bit for bit: ``test_dca_triton``)."""
+    import os
+
+    from cca_convert.modeling import decode_graph
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or not decode_graph.EAGER_ROPE_DTYPES:
+        pytest.skip("needs triton and TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
+    monkeypatch.setattr(hf, "KERNEL_ON_CPU", True)
+    calls = {"round_trip": 0, "deferred": 0}
+    round_trip, append = hf.rope_round_trip, hf.append_rotated_triton
+    monkeypatch.setattr(hf, "rope_round_trip", lambda *a: calls.__setitem__("round_trip", 1) or round_trip(*a))
+
+    def spy(*args):
+        calls["deferred"] += args[-1] is not None
+        return append(*args)
+
+    monkeypatch.setattr(hf, "append_rotated_triton", spy)
+    _, model = stock_and_dca(family)
+    x = ids(bsz=2, length=20)
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :4] = 0
+    cache, other = (model(x, attention_mask=mask[:, :20], use_cache=True).past_key_values for _ in range(2))
+    step = dict(input_ids=ids(bsz=2, length=1, seed=5), attention_mask=mask, use_cache=True)
+    stock = model(**step, past_key_values=cache).logits
+    assert calls == {"round_trip": 0, "deferred": 0}
+    fused = decode_graph.FusedModules(model)
+    with fused.active():
+        twins = model(**step, past_key_values=other).logits
+    assert fused.failure is None and not decode_graph._UNROTATED
+    assert calls == {"round_trip": 0, "deferred": model.config.num_hidden_layers}, calls
+    torch.testing.assert_close(twins, stock, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache.layers, other.layers):
+        for x, y in zip(a.tensors(), b.tensors()):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
