@@ -433,12 +433,7 @@ def test_a_step_being_captured_takes_the_familys_rope_back_as_eager_computes_it(
     round_trip = hf.rope_round_trip
     monkeypatch.setattr(hf, "rope_round_trip", lambda *a: calls.append(1) or round_trip(*a))
     _, model = stock_and_dca("llama")
-    x = ids(bsz=2, length=20)
-    mask = torch.ones(2, 21, dtype=torch.long)
-    mask[1, :4] = 0
-    cache, other = (model(x, attention_mask=mask[:, :20], use_cache=True).past_key_values for _ in range(2))
-    step = dict(input_ids=ids(bsz=2, length=1, seed=5), attention_mask=mask, use_cache=True)
-    stock = model(**step, past_key_values=cache).logits
+    cache, other, step, stock = _left_padded_caches_and_step(model)
     assert not calls
     fused = decode_graph.FusedModules(model)
     with fused.active():
@@ -448,6 +443,17 @@ def test_a_step_being_captured_takes_the_familys_rope_back_as_eager_computes_it(
     for a, b in zip(cache.layers, other.layers):
         for x, y in zip(a.tensors(), b.tensors()):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def _left_padded_caches_and_step(model):
+    """Two equal caches of a left-padded batch's prefill, the next step's inputs, and that step's eager logits
+    (computed on the first cache)."""
+    x = ids(bsz=2, length=20)
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :4] = 0
+    cache, other = (model(x, attention_mask=mask[:, :20], use_cache=True).past_key_values for _ in range(2))
+    step = dict(input_ids=ids(bsz=2, length=1, seed=5), attention_mask=mask, use_cache=True)
+    return cache, other, step, model(**step, past_key_values=cache).logits
 
 
 @torch.no_grad()
@@ -474,12 +480,7 @@ def test_a_captured_steps_cache_write_takes_the_familys_rope_back_interpreted(fa
 
     monkeypatch.setattr(hf, "append_rotated_triton", spy)
     _, model = stock_and_dca(family)
-    x = ids(bsz=2, length=20)
-    mask = torch.ones(2, 21, dtype=torch.long)
-    mask[1, :4] = 0
-    cache, other = (model(x, attention_mask=mask[:, :20], use_cache=True).past_key_values for _ in range(2))
-    step = dict(input_ids=ids(bsz=2, length=1, seed=5), attention_mask=mask, use_cache=True)
-    stock = model(**step, past_key_values=cache).logits
+    cache, other, step, stock = _left_padded_caches_and_step(model)
     assert calls == {"round_trip": 0, "deferred": 0}
     fused = decode_graph.FusedModules(model)
     with fused.active():
