@@ -15,10 +15,11 @@ THIRD_PARTY = {"torch", "transformers", "triton"}
 SHIPPED = {
     "cca": {"cca_hf.py", "attention_hooks.py", "attention_cca.py", "cache_cca.py", "decode_graph.py", "cca_params.py",
             "cca_reference.py", "cca_triton.py", "cca_gluon.py", "gluon_parts.py", "cca_pool_triton.py",
-            "cca_decode_triton.py", "skinny_triton.py", "tma.py"},
+            "cca_decode_triton.py", "rope_triton.py", "skinny_triton.py", "tma.py"},
     "dca": {"dca_hf.py", "attention_hooks.py", "decode_graph.py", "dca_params.py", "dca_reference.py", "dca_triton.py",
-            "dca_gluon.py", "gluon_parts.py", "skinny_triton.py", "tma.py"},  # (CUDA-graph decode: decode_graph.py
-    # and its few-row products; Hopper prefill: the Gluon files)
+            "dca_gluon.py", "gluon_parts.py", "rope_triton.py", "skinny_triton.py", "tma.py"},  # (CUDA-graph decode:
+    # decode_graph.py and its few-row products; Hopper prefill: the Gluon files; rope_triton.py: the family's RoPE in
+    # the kernels' own rounding)
 }
 
 
