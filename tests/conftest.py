@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Set before torch loads Inductor, so that xdist workers compiling the decode step's twins do not each start a pool of
 # compile subprocesses (a full GPU run went past 600 s once the twins came in; 14 workers x 16 compilers).
@@ -10,6 +13,13 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _GPUS = [g.strip() for g in os.environ.get("TEST_GPUS", "").split(",") if g.strip()]
 if _WORKER.startswith("gw") and _GPUS:
     os.environ["CUDA_VISIBLE_DEVICES"] = _GPUS[int(_WORKER[2:]) % len(_GPUS)]
+
+# Remote code loaded in this process (trust_remote_code) is copied into HF_MODULES_CACHE, which transformers reads once,
+# at import: a folder of this process's own, so that tests write nothing into the user's ~/.cache and xdist workers
+# loading exports of equal code (one hash, one folder) do not copy into each other's files while one imports them.
+_MODULES = tempfile.mkdtemp(prefix="cca-test-modules-")
+os.environ["HF_MODULES_CACHE"] = _MODULES
+atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

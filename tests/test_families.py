@@ -10,10 +10,13 @@ and a LoRA or Q/K/V finetune step runs through the CLI and exports a model that 
 """
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from transformers import dynamic_module_utils
 
 from cca_convert.cli import main
 from cca_convert.families import FAMILIES
@@ -157,6 +160,10 @@ def test_models_from_two_copies_of_the_code_share_a_process(tmp_path):
     remote = _load(out)  # transformers_modules' copy registers "cca" last
     local = published.family_class(FAMILIES["qwen3"], methods.get("cca")).from_pretrained(out).eval()
     assert type(remote).__module__ != type(local).__module__
+    # (the repo's copy lies in this test process's own modules folder: tests/conftest.py)
+    copied = Path(sys.modules[type(remote).__module__].__file__)
+    assert copied.is_relative_to(dynamic_module_utils.HF_MODULES_CACHE)
+    assert not copied.is_relative_to(Path.home() / ".cache")
     seq = _ids(bsz=1, length=30, seed=3)
     for model in (local, remote):  # logits, not tokens: a tiny model's argmax can hide a wrong decode
         with torch.no_grad():
