@@ -162,6 +162,7 @@ def test_models_from_two_copies_of_the_code_share_a_process(tmp_path):
     assert type(remote).__module__ != type(local).__module__
     # (the repo's copy lies in this test process's own modules folder: tests/conftest.py)
     copied = Path(sys.modules[type(remote).__module__].__file__)
+    assert Path(dynamic_module_utils.HF_MODULES_CACHE).name.startswith("cca-test-modules-")
     assert copied.is_relative_to(dynamic_module_utils.HF_MODULES_CACHE)
     assert not copied.is_relative_to(Path.home() / ".cache")
     seq = _ids(bsz=1, length=30, seed=3)
