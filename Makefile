@@ -36,7 +36,8 @@ test-oldest:
 # On a CUDA machine, in the Python that has the CUDA build of torch (no virtualenv: GPU images ship their own
 # torch): every gpu-marked test (kernels, model-level training parity, decode), then the quick fidelity run
 # (CLI, Triton backend, micro-batch 4, real text; trains its 26M base first if out/fidelity-llama is missing).
-# With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~5 min on one H100; more workers oversubscribe one GPU. On several
+# With pytest-xdist, PYTEST_ARGS="-n 8" runs it in ~12 min on one H100; tests/conftest.py hands
+# each test's cached GPU memory back, so that eight workers fit on one card; more workers oversubscribe it. On several
 # GPUs, TEST_GPUS=0,1,2,3 gives xdist worker k the GPU TEST_GPUS[k % n] of n (tests/conftest.py), e.g. PYTEST_ARGS="-n 8".
 GPU_PY ?= python3
 TEST_GPUS ?=

@@ -76,6 +76,18 @@ def remove_dead_temp_folders() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def exception_line(stderr: str) -> str:
+    """The line naming a Python process's last exception (``torch.AcceleratorError: CUDA error: out of memory``),
+    not the last line of its stderr: CUDA's messages end in advice ("Compile with `TORCH_USE_CUDA_DSA`...")."""
+    lines = stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:  # the first unindented line after the last traceback's frames
+        for line in lines[starts[-1] + 1:]:
+            if line.strip() and not line[0].isspace():
+                return line
+    return lines[-1] if lines else "no output"
+
+
 def roundtrip_check(folder: Path, input_ids: torch.Tensor, expected: torch.Tensor, atol: float, device="cpu") -> float:
     """Load ``folder`` in a clean subprocess; raise CCAError unless its logits match ``expected``."""
     remove_dead_temp_folders()
@@ -89,8 +101,8 @@ def roundtrip_check(folder: Path, input_ids: torch.Tensor, expected: torch.Tenso
             cwd=tmp, env=env, capture_output=True, text=True,
         )
         if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
-            raise CCAError(f"round trip: the exported folder does not load with trust_remote_code: {tail}")
+            raise CCAError(f"round trip: the exported folder does not load with trust_remote_code: "
+                           f"{exception_line(proc.stderr)}")
         got = torch.load(out_path).float()
     if got.shape != expected.shape:
         raise CCAError(f"round trip: logits shape {tuple(got.shape)} != in-process {tuple(expected.shape)}")

@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -44,3 +45,14 @@ def _isolated_hf_client(tmp_path_factory, monkeypatch):
     """No test reads the user's Hugging Face cache or token, or reaches a real Hub: the client points
     at a closed local port unless a test starts the `hub_server` fixture (which re-points it)."""
     configure_hf_client(monkeypatch, "http://127.0.0.1:9", tmp_path_factory.mktemp("hf_home"), token=None)
+
+
+@pytest.fixture(autouse=True)
+def _return_gpu_memory():
+    """xdist workers share one GPU, and each process's caching allocator keeps what its largest test reserved (the DCA
+    kernels' fp32 twins at 20K keys take tens of GiB): handed back after every test, so that eight workers fit on one
+    card. (A full ``make test-gpu PYTEST_ARGS="-n 8"`` on an H200 ran out of memory in three small models' tests.)"""
+    yield
+    if torch.cuda.is_initialized():
+        gc.collect()  # (tensors held in reference cycles, e.g. by a failed test's traceback)
+        torch.cuda.empty_cache()

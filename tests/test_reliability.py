@@ -86,6 +86,19 @@ def test_round_trip_temp_folders_of_killed_runs_are_removed_and_live_ones_kept()
                 p.rmdir()
 
 
+def test_round_trip_failure_names_the_exception_not_cudas_advice():
+    """A round trip that ran out of GPU memory says so: the exception's line, not the advice CUDA prints after it
+    (which was all the CLI's error said: "... trust_remote_code: Compile with `TORCH_USE_CUDA_DSA` to ...")."""
+    code = ("import warnings; warnings.warn('x: y')\n"
+            "try:\n    raise KeyError('a')\nexcept KeyError:\n"
+            "    raise RuntimeError('CUDA error: out of memory\\nCUDA kernel errors might be asynchronously reported'"
+            " '\\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\\n')")
+    stderr = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+    assert stderr.strip().splitlines()[-1].startswith("Compile with")  # what the last line holds
+    assert roundtrip.exception_line(stderr) == "RuntimeError: CUDA error: out of memory"
+    assert roundtrip.exception_line("killed\n") == "killed" and roundtrip.exception_line("") == "no output"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_round_trip_child_dies_with_the_converter(tmp_path):
     """kill -9 of the converter (the child's parent) ends the round trip's child too: the loader asks the kernel for
