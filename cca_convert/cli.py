@@ -32,8 +32,9 @@ other commands:
 supported families (config.json model_type: base models -> default recipe):
 {families}
 
-exit status: 0 done; 1 validation gates failed (validate) or an internal error; 2 bad input (one
-`error:` line, nothing written); 130 interrupted (Ctrl-C or SIGTERM; a finetune resumes with --resume).
+exit status: 0 done; 1 validation gates failed (validate) or an internal error; 2 bad input, or out of GPU
+memory or disk (one `error:` line naming the fix, nothing written); 130 interrupted (Ctrl-C or SIGTERM; a
+finetune resumes with --resume).
 --debug (or CCA_DEBUG=1) shows the traceback of an error.
 """
 
@@ -216,6 +217,14 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError, or the AcceleratorError a kernel launch raises when CUDA cannot allocate."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or (
+        type(exc).__module__.startswith("torch") and "CUDA error: out of memory" in str(exc))
+
+
 def _dispatch(handler, argv: list[str]) -> int:
     try:
         return handler(argv[1:]) if handler else run_convert(argv)
@@ -244,6 +253,12 @@ def _run(handler, argv: list[str], debug: bool) -> int:
         if debug:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
+        if _out_of_memory(exc):  # a resource, not a bug: say what to free or lower
+            print(f"\nerror: the GPU ran out of memory ({type(exc).__name__}: {first}); free it (nvidia-smi lists the "
+                  "processes holding it) or lower what the failing stage holds: finetune.micro_batch_size or "
+                  "finetune.seq_len (raise finetune.gradient_accumulation_steps to keep the batch), "
+                  "validate.batch_size or validate.context_lengths", file=sys.stderr)
+            return 2
         for text, code in (("No space left on device", errno.ENOSPC), ("Permission denied", errno.EACCES)):
             if text in str(exc):  # e.g. safetensors' own error type when the disk fills up while writing a shard
                 print(f"\nerror: {_os_error_line(OSError(code, text))} ({type(exc).__name__}: {first})", file=sys.stderr)

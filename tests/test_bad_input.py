@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from cca_convert.cli import main
@@ -318,6 +319,31 @@ def test_debug_shows_the_traceback(world, tmp_path, capsys, monkeypatch):
     assert "error: RuntimeError: simulated bug (re-run with --debug" in err and "Traceback" not in err
     with pytest.raises(RuntimeError, match="simulated bug"):
         main(argv + ["--debug"])
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("error", ["oom", "launch"])
+def test_out_of_gpu_memory_is_one_line_naming_the_fix(world, tmp_path, capsys, monkeypatch, error):
+    """Running out of GPU memory is the machine's limit, not a bug to report: exit 2, the recipe keys that lower it,
+    nothing written."""
+    base = copy_base(world, tmp_path)
+    argv = _argv(base, recipe_file(tmp_path, GOOD), tmp_path / "out")
+    from cca_convert import pipeline
+
+    def full(job):
+        if error == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.19 GiB of which 1.06 GiB is free.")
+        raise torch.AcceleratorError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable ...")
+
+    stages = [pipeline.Stage(s.name, full if s.name == "load" else s.run, s.enabled, s.after_commit)
+              for s in pipeline.STAGES]
+    monkeypatch.setattr(pipeline, "STAGES", stages)
+    assert main(argv) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: the GPU ran out of memory (")
+    assert "out of memory" in errors[0].split("(", 1)[1] and "finetune.micro_batch_size" in errors[0]
+    assert "report" not in errors[0] and "TORCH_USE_CUDA_DSA" not in errors[0]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
