@@ -115,10 +115,14 @@ def dca_row(base: Path, out: Path, passkey: bool, speed: bool = True,
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return "DCA run FAILED: " + (proc.stdout + proc.stderr).strip().splitlines()[-1], False, {}
-    report = json.loads((out / "validation" / "report.json").read_text())
+    return dca_summary(json.loads((out / "validation" / "report.json").read_text()), passkey)
+
+
+def dca_summary(report: dict, passkey: bool) -> tuple[str, bool, dict]:
+    """The DCA row's table and bars from its run's report (results under "base" and "dca", the method's name)."""
     c = report["model"]["trained_context"]
-    ppl = {m: {int(n): v["ppl"] for n, v in report["results"][m]["perplexity"].items()} for m in ("base", "cca")}
-    pk = {m: {int(n): v for n, v in report["results"][m].get("passkey", {}).items()} for m in ("base", "cca")}
+    ppl = {m: {int(n): v["ppl"] for n, v in report["results"][m]["perplexity"].items()} for m in ("base", "dca")}
+    pk = {m: {int(n): v for n, v in report["results"][m].get("passkey", {}).items()} for m in ("base", "dca")}
 
     def keys(m, n):
         v = pk[m].get(n) or {}
@@ -127,13 +131,13 @@ def dca_row(base: Path, out: Path, passkey: bool, speed: bool = True,
     lines = ["| length | base ppl | DCA ppl | base / base@c | DCA / DCA@c | base passkey | DCA passkey |",
              "|---|---|---|---|---|---|---|"]
     for n in report["context_lengths"]:
-        lines.append(f"| {n} | {ppl['base'][n]:.3f} | {ppl['cca'][n]:.3f} | {ppl['base'][n] / ppl['base'][c]:.3f} | "
-                     f"{ppl['cca'][n] / ppl['cca'][c]:.3f} | {keys('base', n)} | {keys('cca', n)} |")
+        lines.append(f"| {n} | {ppl['base'][n]:.3f} | {ppl['dca'][n]:.3f} | {ppl['base'][n] / ppl['base'][c]:.3f} | "
+                     f"{ppl['dca'][n] / ppl['dca'][c]:.3f} | {keys('base', n)} | {keys('dca', n)} |")
     longest = max(report["context_lengths"])
-    ppl_ok = (all(ppl["cca"][n] <= 1.2 * ppl["cca"][c] for n in ppl["cca"] if n >= c)
+    ppl_ok = (all(ppl["dca"][n] <= 1.2 * ppl["dca"][c] for n in ppl["dca"] if n >= c)
               and ppl["base"][longest] > 3 * ppl["base"][c])
     at_c = (pk["base"].get(c) or {}).get("accuracy")
-    past = [(pk["cca"].get(n) or {}).get("accuracy") for n in report["context_lengths"] if n > c]
+    past = [(pk["dca"].get(n) or {}).get("accuracy") for n in report["context_lengths"] if n > c]
     pk_ok = (at_c is not None and at_c >= 0.8 and bool(past)
              and all(a is not None and a >= at_c - 0.2 for a in past))
     lines.append(f"\nperplexity bar (DCA <= 1.2x its ppl at c up to 8c, base > 3x at 8c): {'PASS' if ppl_ok else 'FAIL'}")
@@ -143,7 +147,7 @@ def dca_row(base: Path, out: Path, passkey: bool, speed: bool = True,
     speed = report.get("speed", {})
     if speed:
         lines.append("\nprefill (one forward, no cache): " + ", ".join(
-            f"{n}: base {v['base']['latency_s'] * 1e3:.1f} ms, DCA {v['cca']['latency_s'] * 1e3:.1f} ms"
+            f"{n}: base {v['base']['latency_s'] * 1e3:.1f} ms, DCA {v['dca']['latency_s'] * 1e3:.1f} ms"
             for n, v in speed.items()))
     return "\n".join(lines), ok, {"ppl": ppl, "passkey": pk, "trained_context": c, "speed": speed}
 

@@ -446,3 +446,30 @@ def test_read_floor_reads_every_key_and_value_once():
         want = k.double().sum() + v.double().sum()
         got = read_floor.read_kv(k, v, *cfg, sms=5).double().sum()
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-2), (B, Hkv, L, cfg, got.item(), want.item())
+
+
+def test_fidelity_dca_row_reads_the_dca_run_report(tmp_path):
+    """``fidelity.py --dca`` summarises a real DCA run's report: its results and speed lie under "dca" (the method's
+    name), the base's under "base"; the row's table holds the report's numbers at every length."""
+    from cca_convert.cli import main
+    from tests.support.factories import TINY, save_base
+
+    spec = importlib.util.spec_from_file_location("fidelity_bench", REPO / "benchmarks" / "fidelity.py")
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+    base = save_base(tmp_path / "base", **{**TINY.get("llama", {}), "max_position_embeddings": 128})
+    text = tmp_path / "heldout.txt"
+    text.write_text("".join(chr(97 + (i * 7) % 26) for i in range(3000)))
+    out = tmp_path / "out"
+    assert main([str(base), "--output", str(out), "--set", "method=dca", "--set", "validate.data.dataset=null",
+                 "--set", f"validate.data.files=[{text}]", "--set", "validate.context_lengths=[c,2c]",
+                 "--set", "validate.windows=1", "--set", "validate.passkey_trials=1", "--set", "validate.speed=true",
+                 "--set", "validate.max_ppl_ratio=null", "--force"]) == 0
+    report = json.loads((out / "validation" / "report.json").read_text())
+    table, ok, data = fidelity.dca_summary(report, passkey=True)
+    for n in (128, 256):
+        ppl = report["results"]["dca"]["perplexity"][str(n)]["ppl"]
+        assert f"| {n} | {report['results']['base']['perplexity'][str(n)]['ppl']:.3f} | {ppl:.3f} |" in table
+        assert data["ppl"]["dca"][n] == ppl and "trials" in data["passkey"]["dca"][n]
+    assert "passkey bar" in table and f"DCA {report['speed']['256']['dca']['latency_s'] * 1e3:.1f} ms" in table
+    assert ok is False  # a random base meets neither bar (its ppl does not grow 3x past c)
