@@ -52,16 +52,18 @@ class ValidateSection(Section):
     task_samples: int = Field(4, ge=1, le=10_000, description="prompts per task and length (the needle tasks: at "
                                                               "evenly spread depths)")
     lm_eval: LmEvalSection = LmEvalSection()
-    speed: bool = Field(True, description="time one prefill and its peak memory, base vs CCA, at each length")
+    speed: bool = Field(True, description="time one prefill and its peak memory, base vs the converted model, at "
+                                          "each length")
     speed_repeats: int = Field(1, ge=1, description="timed prefills per length and model (after one warm-up)")
     seed: int = 0
-    # Gates, against the final CCA model (after the finetune when there is one); null turns a gate off.
-    max_ppl_ratio: float | None = Field(1.10, gt=0, description="CCA ppl / base ppl, at every length")
+    # Gates, against the final converted model (after the finetune when there is one); null turns a gate off.
+    max_ppl_ratio: float | None = Field(1.10, gt=0, description="converted ppl / base ppl, at every length")
     max_ppl_growth: float | None = Field(None, gt=0, description="converted ppl at each length past the trained "
                                                                   "context / its ppl at the trained context (DCA)")
-    min_passkey_accuracy: float | None = Field(None, ge=0, le=1, description="CCA passkey accuracy, at every length")
+    min_passkey_accuracy: float | None = Field(None, ge=0, le=1,
+                                               description="converted passkey accuracy, at every length")
     max_passkey_drop: float | None = Field(None, ge=0, le=1,
-                                           description="base accuracy - CCA accuracy, at every length")
+                                           description="base accuracy - converted accuracy, at every length")
     max_task_drop: float | None = Field(None, ge=0, le=1, description="base score - converted score, per task and "
                                                                         "length")
 

@@ -296,7 +296,7 @@ def card_markdown(report: dict) -> str:
 
 
 def eval_results(report: dict):
-    """``model-index`` entries (huggingface_hub EvalResult) for the final CCA model."""
+    """``model-index`` entries (huggingface_hub EvalResult) for the final converted model."""
     from huggingface_hub import EvalResult
 
     d, final = report["data"], report["final_model"]
