@@ -50,8 +50,9 @@ def _isolated_hf_client(tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True)
 def _return_gpu_memory():
     """xdist workers share one GPU, and each process's caching allocator keeps what its largest test reserved (the DCA
-    kernels' fp32 twins at 20K keys take tens of GiB): handed back after every test, so that eight workers fit on one
-    card. (A full ``make test-gpu PYTEST_ARGS="-n 8"`` on an H200 ran out of memory in three small models' tests.)"""
+    kernel tests over 9K-50K keys reserve up to 27 GiB): handed back after every test, so that eight workers fit on
+    one card. (``make test-gpu PYTEST_ARGS="-n 8"`` on an H200 ran out of memory in small models' tests without it:
+    docs/test-runs/test-gpu-h200-memory.txt.)"""
     yield
     if torch.cuda.is_initialized():
         gc.collect()  # (tensors held in reference cycles, e.g. by a failed test's traceback)
