@@ -18,7 +18,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
 
-from kernels.skinny_triton import skinny_gated, skinny_linear  # noqa: E402
+from cca_convert.kernels.skinny_triton import skinny_gated, skinny_linear  # noqa: E402
 
 
 def per_call_us(fn, calls: int, replays: int = 10) -> float:

@@ -204,10 +204,11 @@ class CCALayerCache(BatchOpsMixin, CacheLayerMixin):
     def prefetch(self):
         pass
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, **kwargs):
         """Crops of up to ``SPECULATIVE_SLACK`` columns of what comes next are done in place from now on: a filled
         layer re-lays its rings with the slack (generate()'s deferred stopping check announces its crops after the
-        prefill). The visible positions, and so the decode kernel's numbers, stay the same."""
+        prefill). The visible positions, and so the decode kernel's numbers, stay the same. ``kwargs``: what newer
+        transformers pass for recurrent layers (5.25: ``recurrent_states_to_keep``); a CCA layer keeps no such state."""
         self.record_past = True
         if self.seen is not None and not self.slack:
             slack, g = SPECULATIVE_SLACK, self.config.group_size
