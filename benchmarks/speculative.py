@@ -90,6 +90,10 @@ class OracleDrafts(CandidateGenerator):
     def update_candidate_strategy(self, *args, **kwargs):
         pass
 
+    @property
+    def num_drafting_tokens(self):  # transformers >= 5.25 sizes the cache's past recording by it
+        return self.n
+
 
 def load_trained(args, dtype, device):
     """A CCA export and the token ids of ``--text`` (1, n), checked to hold the longest context's prompt."""
