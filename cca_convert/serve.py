@@ -3,8 +3,9 @@ model, through transformers' own server (``transformers serve``, FastAPI + Uvico
 
 transformers serve builds the model class from ``config.architectures[0]`` as an attribute of the ``transformers``
 package, which a remote-code class (``CCALlamaForCausalLM``) is not: it fails before loading. This command loads
-the repo's own class the way ``trust_remote_code`` does and hands it to transformers under that name, then runs
-transformers serve unchanged (its options pass through). Requests run ``generate()`` one at a time, the exported
+the repo's own class the way ``trust_remote_code`` does and hands it to transformers under that name (on
+transformers >= 5.25, whose server loads the model in a spawned process, in that process: ``serve_loader``), then
+runs transformers serve unchanged (its options pass through). Requests run ``generate()`` one at a time, the exported
 model's own decode path (on CUDA: the compressed cache and CUDA-graph decode); continuous batching
 (``--continuous-batching``) needs a paged cache, which CCA's compressed cache is not (docs/SERVING.md).
 """
@@ -46,10 +47,17 @@ def run_serve(argv: list[str]) -> int:
         raise CCAError(f"serving needs transformers' server and its FastAPI/Uvicorn ({exc}): pip install "
                        "\"cca-convert[serve]\"") from None
     import transformers
+    from transformers.cli.serving import model_manager
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    cls = get_class_from_dynamic_module(ref, str(folder))
-    setattr(transformers, raw["architectures"][0], cls)  # what transformers serve looks the class up as
+    export = (raw["architectures"][0], ref, str(folder))
+    # what transformers serve looks the class up as; transformers < 5.25 loads the model in this process
+    setattr(transformers, export[0], get_class_from_dynamic_module(ref, str(folder)))
+    if hasattr(model_manager, "ModelLoader"):  # >= 5.25: in a spawned one, with a copy of its loader
+        from .serve_loader import ExportLoader
+
+        ExportLoader.pending = export
+        model_manager.ModelLoader = ExportLoader
     try:
         app(["serve", str(folder), "--trust-remote-code", *rest], prog_name="transformers")
     except SystemExit as exc:
