@@ -141,7 +141,9 @@ def prompt(length: int, vocab_size: int, seed: int) -> str:
 
 def streamed_request(port: int, model: str, text: str, new_tokens: int) -> dict:
     """One streamed completion: seconds to the first token, to the last one, and the server's token counts."""
-    body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    # OpenAI's streams carry usage only when asked (transformers >= 5.25 follows that; older servers always sent it)
+    body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     start = time.perf_counter()
