@@ -103,7 +103,10 @@ def export(base: Path, method: str, out: Path, work: Path) -> None:
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Hub kernels off for every server, as `cca-convert serve` has them (transformers >= 5.25 with `kernels` would
+    # download norm/RoPE/activation kernels into the stock server's model on a GPU): one code base on both sides
+    return {"USE_HUB_KERNELS": "NO", **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def free_port() -> int:
@@ -272,7 +275,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
     head = (f"{device}, torch {torch.__version__}, transformers {transformers.__version__}; Llama "
             f"{'(smoke shape)' if args.smoke else '3.1-8B shape'}, random bf16 weights; {args.new_tokens} new "
-            f"tokens per request, median of {args.requests}; base and exports written in {time.time() - t0:.0f}s")
+            f"tokens per request, median of {args.requests}; USE_HUB_KERNELS={env()['USE_HUB_KERNELS']}; base and "
+            f"exports written in {time.time() - t0:.0f}s")
     print(head, flush=True)
     results = []
     for row in args.rows:

@@ -13,6 +13,7 @@ model's own decode path (on CUDA: the compressed cache and CUDA-graph decode); c
 from __future__ import annotations
 
 import json
+import os
 
 from .errors import CCAError
 
@@ -58,6 +59,10 @@ def run_serve(argv: list[str]) -> int:
 
         ExportLoader.pending = export
         model_manager.ModelLoader = ExportLoader
+    # transformers >= 5.25, where the `kernels` package is installed, swaps kernels it downloads from the Hub into a
+    # model its server loads on a GPU (norms, RoPE, activations). Off unless the user asks (USE_HUB_KERNELS=YES): the
+    # server runs the code the export was validated with, and starts offline. The spawned loader inherits it.
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")
     try:
         app(["serve", str(folder), "--trust-remote-code", *rest], prog_name="transformers")
     except SystemExit as exc:

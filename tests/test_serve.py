@@ -96,3 +96,28 @@ def test_served_export_answers_over_http_as_its_generate_does(method, tmp_path):
 def test_continuous_batching_is_refused_with_the_reason(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--continuous-batching"]) == 2
     assert "paged KV cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("user_value", [None, "YES"])
+def test_hub_kernels_stay_off_unless_the_user_turns_them_on(user_value, tmp_path, monkeypatch):
+    """transformers >= 5.25 would swap Hub-downloaded kernels into the served model on a GPU (and fail offline):
+    the server gets USE_HUB_KERNELS=NO, unless the user set the variable."""
+    import transformers.cli.transformers as cli
+
+    base = save_base(tmp_path / "base", max_position_embeddings=128)
+    out = tmp_path / "out"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPES["cca"], "export": {"dtype": "float32", "roundtrip": False},
+                                      "finetune": {"enabled": False}, "validate": {"enabled": False}}))
+    assert main([str(base), "--recipe", str(recipe), "--output", str(out)]) == 0
+    monkeypatch.setenv("USE_HUB_KERNELS", user_value or "")  # recorded, so the test leaves the variable as it was
+    if user_value is None:
+        monkeypatch.delenv("USE_HUB_KERNELS")
+    seen = {}
+
+    def app(args, prog_name):  # transformers' server, not started: what it would be started with
+        seen["args"], seen["env"] = args, __import__("os").environ.get("USE_HUB_KERNELS")
+
+    monkeypatch.setattr(cli, "app", app)
+    assert main(["serve", str(out), "--port", "0"]) == 0
+    assert seen == {"args": ["serve", str(out), "--trust-remote-code", "--port", "0"], "env": user_value or "NO"}
