@@ -13,6 +13,7 @@ import yaml
 
 from cca_convert import methods, published
 from cca_convert.cli import main
+from tests.support.child_env import checkout_env
 from tests.support.factories import LLAMA3_ROPE, save_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,7 +304,7 @@ def test_sigterm_is_a_clean_interrupt(base, tmp_path):
         validate: {enabled: false}
         """)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = checkout_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", str(recipe),
                              "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:  # wait until the staging folder exists (the round trip runs a few seconds)

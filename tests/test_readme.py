@@ -3,7 +3,6 @@
 you/model-cca...) need a download or a value of the reader's: they are listed, not run. ``serve`` is tested in
 tests/test_serve.py (it does not exit by itself)."""
 
-import os
 import re
 import shlex
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.child_env import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = {"examples", "out"}  # the embedded model and what `make demo` writes
@@ -48,7 +49,7 @@ def test_every_readme_command_that_needs_no_download_runs(tmp_path):
     for name in ("examples", "recipes"):  # the README's relative paths, from a scratch folder
         (tmp_path / name).symlink_to(REPO / name)
     cli = [sys.executable, "-m", "cca_convert.cli"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env()
     setup = subprocess.run(cli + shlex.split(demo)[1:], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert setup.returncode == 0, setup.stderr[-2000:]
     ran = []

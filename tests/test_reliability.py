@@ -16,6 +16,7 @@ import yaml
 
 from cca_convert import roundtrip
 from cca_convert.cli import main
+from tests.support.child_env import checkout_env
 from tests.support.factories import save_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +137,7 @@ def test_sigterm_during_the_finetune_ends_with_the_error_as_the_last_line(base, 
                                    "gradient_accumulation_steps": 1, "warmup_steps": 0, "checkpoint_every": 0,
                                    "tensorboard": False, "data": {"files": [str(text)]}}}
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = checkout_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "cca_convert.cli", str(base), "--recipe", recipe(tmp_path, data),
                              "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from cca_convert.cli import main
+from tests.support.child_env import checkout_env
 from tests.support.factories import save_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_served_export_answers_over_http_as_its_generate_does(method, tmp_path):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "cca_convert.cli", "serve", str(out), "--device", "cpu",
                                "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={"PYTHONPATH": str(REPO), **__import__("os").environ})
+                              text=True, env=checkout_env())
     try:
         for _ in range(240):
             try:

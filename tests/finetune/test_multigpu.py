@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.child_env import checkout_env
 from tests.support.factories import family_and_overrides, save_base
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def launch(kind: str | None, base: Path, out: Path, args: list[str], processes: 
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[kind]),
                "--num_processes", str(processes), "--main_process_port", str(29500 + os.getpid() % 1000),
                "-m", "cca_convert.cli"]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    env = checkout_env(PYTHONUNBUFFERED="1")
     full = cmd + [str(base), "--output", str(out), *args]
     if popen:
         return subprocess.Popen(full, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -17,6 +17,7 @@ import transformers
 
 from cca_convert.cli import main
 from cca_convert.families import FAMILIES
+from tests.support.child_env import checkout_env
 from tests.support.factories import TINY, save_base
 
 C, W = 24, 8  # s = 16
@@ -195,7 +196,6 @@ def test_the_readme_dca_run_on_the_embedded_model_passes_the_family_recipe(tmp_p
     """The README's DCA run, as written: the embedded model (trained at c = 2048) with the Llama family's DCA recipe
     and only a local held-out file reads c..8c = 2048..16384, passes every gate and exits 0, and every line it prints
     names DCA (no line calls the model CCA)."""
-    import os
     import re
     import shlex
     import subprocess
@@ -207,7 +207,7 @@ def test_the_readme_dca_run_on_the_embedded_model_passes_the_family_recipe(tmp_p
     for name in ("examples", "recipes"):
         (tmp_path / name).symlink_to(repo / name)
     proc = subprocess.run([sys.executable, "-m", "cca_convert.cli", *shlex.split(line.group(1))[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+                          capture_output=True, text=True, env=checkout_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "lengths 2048, 4096, 8192, 16384" in proc.stdout
     assert "CCA" not in proc.stdout + proc.stderr, proc.stdout

@@ -51,6 +51,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from .child_env import checkout_env
+
 FAKE_TOKEN = "hf_cca_test_token_not_a_secret_0123456789"
 USERNAME = "user"  # the account the fake token belongs to (namespace for `create_repo("name")`)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -743,7 +745,7 @@ class HubServer:
         env = {k: v for k, v in os.environ.items()}
         env.update(self.env)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = checkout_env()["PYTHONPATH"]
         env.update(extra)
         return env
 
