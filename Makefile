@@ -22,8 +22,11 @@ demo: $(VENV)/.installed
 demo-dca: $(VENV)/.installed
 	$(VENV)/bin/cca-convert examples/tiny-llama --recipe recipes/dca-tiny-demo.yaml --output out/tiny-dca --overwrite
 
+# Two pytest-xdist workers: most CPU tests are single-threaded (the Triton interpreter, one torch thread each), so a
+# two-core machine runs the suite in about half the time; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 # The same suite against the oldest versions pyproject.toml admits (those of the GPU image). triton 3.6's
 # CPU interpreter turns loaded scalars into 1-element arrays, which NumPy >= 2.3 refuses as loop bounds. With

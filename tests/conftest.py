@@ -32,6 +32,9 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow end-to-end tests (CLI runs of minutes) first: xdist (`make test` runs two workers) then starts them
+    # while the many short tests fill the other worker, instead of leaving one to finish alone at the end.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_command_on_the_embedded_model(tmp_path):
     out = tmp_path / "tiny-cca"
     cli = Path(sys.executable).parent / "cca-convert"
@@ -32,6 +34,7 @@ def test_demo_command_on_the_embedded_model(tmp_path):
     shutil.rmtree(out)
 
 
+@pytest.mark.slow
 def test_dca_demo_reads_past_the_trained_context(tmp_path):
     """`make demo-dca`: the embedded model (trained at c = 2048) with DCA, no training; the report shows DCA's
     perplexity flat from c to 4c (the recipe's 1.2x growth gate) while the base's rises."""

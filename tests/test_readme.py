@@ -43,6 +43,7 @@ def test_the_readme_has_commands_that_run_here():
     assert len(commands) >= 10 and sum(map(runnable, commands)) >= 3, commands
 
 
+@pytest.mark.slow
 def test_every_readme_command_that_needs_no_download_runs(tmp_path):
     make = (REPO / "Makefile").read_text()
     demo = re.search(r"^demo: .*\n\t\$\(VENV\)/bin/(cca-convert .*)$", make, flags=re.M).group(1)

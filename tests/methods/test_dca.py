@@ -192,6 +192,7 @@ def test_the_exported_tokenizer_claims_the_converted_context(tmp_path):
     assert AutoTokenizer.from_pretrained(out).model_max_length == context
 
 
+@pytest.mark.slow
 def test_the_readme_dca_run_on_the_embedded_model_passes_the_family_recipe(tmp_path):
     """The README's DCA run, as written: the embedded model (trained at c = 2048) with the Llama family's DCA recipe
     and only a local held-out file reads c..8c = 2048..16384, passes every gate and exits 0, and every line it prints

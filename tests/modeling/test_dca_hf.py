@@ -162,6 +162,7 @@ def kernel_vs_reference(family, dtype, c_orig, device, steps=30, new_tokens=40):
 
 
 @pytest.mark.parametrize("c_orig", [0, 64], ids=["no-temperature", "temperature"])
+@pytest.mark.slow
 def test_kernel_equals_reference_at_model_level_interpreted(c_orig, monkeypatch):
     """The model's kernel path (the Triton attention, the key rotation fused with the cache writes, the split merge,
     the per-pass shared state) run on CPU tensors by Triton's interpreter: what CI can check of what a GPU runs."""

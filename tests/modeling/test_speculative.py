@@ -115,6 +115,7 @@ def test_the_first_pass_prefills_the_prompt_as_greedy_does(monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
     """After ``activate_past_recording`` (generate() calls it for speculative decoding, before the prefill) the rings
@@ -165,6 +166,7 @@ def test_recorded_crop_is_done_in_place(kernels, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_the_slack_changes_no_rounding(kernels, monkeypatch):
     """A cache recording its past from the start (assisted decoding: rings with the speculative slack) gives the
@@ -192,6 +194,7 @@ def test_the_slack_changes_no_rounding(kernels, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_recording_announced_after_the_prefill_relays_the_rings(kernels, monkeypatch):
     """generate()'s deferred stopping check calls ``activate_past_recording`` after the prefill, then crops once with

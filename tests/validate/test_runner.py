@@ -442,6 +442,7 @@ def _local_task(tmp_path, heldout) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_lm_eval_runs_base_and_converted_into_the_report_and_the_card(tmp_path, base_dir, texts, capsys):
     pytest.importorskip("lm_eval")  # the [test] extra installs it: CI runs this
     tasks = _local_task(tmp_path, texts[0])
