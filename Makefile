@@ -23,10 +23,12 @@ demo-dca: $(VENV)/.installed
 	$(VENV)/bin/cca-convert examples/tiny-llama --recipe recipes/dca-tiny-demo.yaml --output out/tiny-dca --overwrite
 
 # Two pytest-xdist workers: most CPU tests are single-threaded (the Triton interpreter, one torch thread each), so a
-# two-core machine runs the suite in about half the time; TEST_WORKERS=0 runs it in one process.
+# two-core machine runs the suite in about half the time; TEST_WORKERS=0 runs it in one process. PYTEST_ARGS adds
+# pytest options, e.g. PYTEST_ARGS='-m "not slow"' leaves out the end-to-end CLI runs of a minute or more.
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The same suite against the oldest versions pyproject.toml admits (those of the GPU image). triton 3.6's
 # CPU interpreter turns loaded scalars into 1-element arrays, which NumPy >= 2.3 refuses as loop bounds. With

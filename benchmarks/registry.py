@@ -69,6 +69,10 @@ BENCHMARKS = {b.name: b for b in (
               "GPU?, estimated vs measured peak memory, tokens/s CCA vs full, validation memory and time",
               "--rows llama-3.1-8b qwen3-8b", "python benchmarks/recipes_at_scale.py --tiny --device cpu "
               "(tests/test_benchmarks.py)", prefixes=("scale",)),
+    Benchmark("recipe_cli", "recipe_cli.py", "the CLI with a family recipe's defaults (--set method=M, a local "
+              "held-out file) on random weights of a released shape: every stage, the lengths the preflight keeps, "
+              "validation time and memory per length", "--row llama-3.1-8b --method dca",
+              "python benchmarks/recipe_cli.py --tiny (tests/test_benchmarks.py)", prefixes=("recipe-cli",)),
 )}
 
 # Helpers the benchmarks share (not benchmarks themselves).

@@ -356,6 +356,21 @@ def test_recipes_at_scale_estimates_the_released_shapes_without_a_gpu():
     assert "qwen3-30b-a3b: 30.53B params" in proc.stdout
 
 
+@pytest.mark.slow
+def test_recipe_cli_runs_the_family_dca_recipe_through_every_stage_on_a_tiny_shape(tmp_path):
+    """The real-shape CLI benchmark's code path: a random checkpoint of Llama-3.1-8B's family at a tiny shape
+    (trained context 64), `cca-convert --set method=dca` with its defaults, every stage to the round trip."""
+    out = tmp_path / "cli.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "recipe_cli.py"), "--tiny", "--row", "llama-3.1-8b", "--method",
+           "dca", "--workdir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 0 and result["report"]["context_lengths"] == [64, 128, 256, 512]
+    assert result["report"]["model"]["method"] == "dca" and "CCA" not in result["stdout"]
+    assert "[6/6] roundtrip" in result["stdout"] and "validated lengths [64, 128, 256, 512]" in proc.stdout
+
+
 def test_every_benchmark_is_registered_and_the_results_index_is_current():
     """Benchmarks are a product: each script has a registry row (what it measures, its command, how it is verified),
     every script the README names is registered, and the generated results index matches the tree."""

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The CLI with a shipped recipe's defaults at a released model's real shape: does the whole run (convert, preflight,
+load, validate, export, round trip) fit one GPU, which lengths does it validate, and how long does each take.
+
+A random bf16 checkpoint of the released config (``recipes_at_scale.MODELS``) is written with the embedded model's
+tokenizer (its ids lie inside every released vocabulary), then ``cca-convert FOLDER --set method=M`` runs as a user
+types it, with only a local text file as held-out data (no download). Random weights prove memory and time, never
+quality: the quality gates are expected to fail, so the run passes ``--force`` (export and round trip despite them);
+what this checks is that no stage runs out of memory or refuses, and what the validation costs at each length.
+
+    python benchmarks/recipe_cli.py --row llama-3.1-8b --method dca --json out.json
+    python benchmarks/recipe_cli.py --tiny --row llama-3.1-8b --method dca    # CPU, tiny shape (tests run this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from recipes_at_scale import MODELS, TINY  # noqa: E402
+
+TOKENIZER = REPO / "examples" / "tiny-llama"
+
+
+def write_checkpoint(row: str, folder: Path, tiny: bool, device: str) -> None:
+    family, fields = MODELS[row]
+    if tiny:  # the tokenizer's 4096 ids; a trained context of 64 so that c..8c stays short on a CPU
+        fields = {**fields, **TINY, "vocab_size": 4096, "max_position_embeddings": 64, "dtype": "float32"}
+        fields.update(bos_token_id=0, eos_token_id=1, pad_token_id=None)
+        if isinstance(fields.get("rope_parameters"), dict) and fields["rope_parameters"].get("rope_type") == "llama3":
+            fields["rope_parameters"] = {**fields["rope_parameters"], "original_max_position_embeddings": 16}
+    config = transformers.AutoConfig.for_model(family, **fields)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, folder / name)
+
+
+def run(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="cca-recipe-cli-", dir=args.workdir))
+    base, out = work / "base", work / "out"
+    t0 = time.perf_counter()
+    write_checkpoint(args.row, base, args.tiny, "cpu" if args.tiny else args.device)
+    built = time.perf_counter() - t0
+    cmd = [sys.executable, "-m", "cca_convert.cli", str(base), "--set", f"method={args.method}",
+           "--set", f"validate.data={{files: [{args.data}]}}", "--output", str(out), "--force", *args.extra]
+    print(f"{args.row} ({'tiny' if args.tiny else 'released shape'}): checkpoint written in {built:.1f}s; running\n  "
+          + " ".join(cmd[2:]), flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    t0 = time.perf_counter()
+    lines = []
+    with open(work / "cli.stderr", "w+") as err:
+        # the CLI's lines as they come (a run at 128K+ takes many minutes), kept for the record
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            print("  | " + line.rstrip(), flush=True)
+            lines.append(line)
+        proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    wall = time.perf_counter() - t0
+    reports = list(work.glob("**/validation/report.json"))
+    report = json.loads(reports[0].read_text()) if reports else None
+    result = {"row": args.row, "method": args.method, "tiny": args.tiny, "command": " ".join(cmd[2:]),
+              "exit_code": proc.returncode, "wall_s": round(wall, 1), "stdout": "".join(lines)[-20000:],
+              "stderr": stderr[-6000:], "report": report}
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def summary(result: dict) -> str:
+    report = result["report"] or {}
+    lines = [f"exit {result['exit_code']} after {result['wall_s']} s; validated lengths "
+             f"{report.get('context_lengths')}; gates passed: {report.get('passed')}"]
+    for line in result["stdout"].splitlines():
+        if " @ " in line or "left out" in line or "seconds" in line or line.startswith(("error", "stage")):
+            lines.append("  " + line.strip())
+    for model, res in (report.get("results") or {}).items():
+        if "seconds" in res:
+            lines.append(f"  {model}: validation {res['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--row", default="llama-3.1-8b", choices=sorted(MODELS), help="a released model's shape")
+    p.add_argument("--method", default="dca", help="--set method=... (the family's recipe for that method)")
+    p.add_argument("--data", default=str(REPO / "examples" / "data" / "train.txt"),
+                   help="the local held-out text file (long enough for the longest length)")
+    p.add_argument("--device", default="cuda:0", help="where the random weights are built")
+    p.add_argument("--workdir", default=None, help="folder for the checkpoint and the output (default: the temp dir)")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape of the same family on the CPU")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint and the output")
+    p.add_argument("--json", type=Path)
+    p.add_argument("extra", nargs="*", help="more cca-convert arguments (after --)")
+    args = p.parse_args()
+    result = run(args)
+    result.update(torch=torch.__version__, transformers=transformers.__version__,
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else None)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(summary(result), flush=True)
+    if result["report"] is None:
+        print(result["stderr"][-3000:], file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
