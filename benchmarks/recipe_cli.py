@@ -10,6 +10,7 @@ what this checks is that no stage runs out of memory or refuses, and what the va
 
     python benchmarks/recipe_cli.py --row llama-3.1-8b --method dca --json out.json
     python benchmarks/recipe_cli.py --tiny --row llama-3.1-8b --method dca    # CPU, tiny shape (tests run this)
+    python benchmarks/recipe_cli.py --row llama-3.1-8b -- --set 'validate.context_lengths=[262144]'   # more CLI args
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a tiny shape of the same family on the CPU")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and the output")
     p.add_argument("--json", type=Path)
-    p.add_argument("extra", nargs="*", help="more cca-convert arguments (after --)")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # what follows goes to cca-convert as it is
+    args = p.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
     result = run(args)
     result.update(torch=torch.__version__, transformers=transformers.__version__,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else None)

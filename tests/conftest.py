@@ -14,6 +14,11 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _GPUS = [g.strip() for g in os.environ.get("TEST_GPUS", "").split(",") if g.strip()]
 if _WORKER.startswith("gw") and _GPUS:
     os.environ["CUDA_VISIBLE_DEVICES"] = _GPUS[int(_WORKER[2:]) % len(_GPUS)]
+# xdist workers already fill the cores: the CLI runs they start (subprocesses) take one thread each too, instead of
+# each starting a pool of all the cores that spins against the other workers (`make test`'s two workers on two
+# cores: the README's DCA run went from 1024 s alone to 1674 s beside the other worker).
+if _WORKER.startswith("gw"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Remote code loaded in this process (trust_remote_code) is copied into HF_MODULES_CACHE, which transformers reads once,
 # at import: a folder of this process's own, so that tests write nothing into the user's ~/.cache and xdist workers
