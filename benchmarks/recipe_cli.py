@@ -95,7 +95,7 @@ def summary(result: dict) -> str:
     lines = [f"exit {result['exit_code']} after {result['wall_s']} s; validated lengths "
              f"{report.get('context_lengths')}; gates passed: {report.get('passed')}"]
     for line in result["stdout"].splitlines():
-        if " @ " in line or "left out" in line or "seconds" in line or line.startswith(("error", "stage")):
+        if any(key in line for key in (" @ ", "left out", "memory per device", "done:", "error")):
             lines.append("  " + line.strip())
     for model, res in (report.get("results") or {}).items():
         if "seconds" in res:
@@ -124,9 +124,9 @@ def main():
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(summary(result), flush=True)
-    if result["report"] is None:
+    if result["exit_code"] or result["report"] is None:  # a stage failed (with --force, failed gates do not count)
         print(result["stderr"][-3000:], file=sys.stderr)
-        sys.exit(1)
+        sys.exit(result["exit_code"] or 1)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ _GPUS = [g.strip() for g in os.environ.get("TEST_GPUS", "").split(",") if g.stri
 if _WORKER.startswith("gw") and _GPUS:
     os.environ["CUDA_VISIBLE_DEVICES"] = _GPUS[int(_WORKER[2:]) % len(_GPUS)]
 # xdist workers already fill the cores: the CLI runs they start (subprocesses) take one thread each too, instead of
-# each starting a pool of all the cores that spins against the other workers (`make test`'s two workers on two
-# cores: the README's DCA run went from 1024 s alone to 1674 s beside the other worker).
+# each starting a pool of all the cores that spins against the other workers (`make test` on two cores, two workers:
+# real 64 min without this, a run that shared the machine with other work for ~10 min; 55 min with it, alone).
 if _WORKER.startswith("gw"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
