@@ -157,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if not a.name:
         p.error("name a benchmark (--list shows them), or --index")
     args = list(a.args)
-    if "--" in args:  # the separator, wherever it stands (`serve --out D -- --rows x`): everything goes to the script
+    raw = sys.argv[1:] if argv is None else argv
+    # The first `--` is run.py's separator, wherever it stands (`serve --out D -- --rows x`); argparse has already
+    # dropped it when it came right after the name. A later one is the script's own (recipe_cli passes what follows
+    # its `--` to cca-convert), so it goes through.
+    if "--" in args and args.count("--") == raw.count("--"):
         args.remove("--")
     return run(a.name, args)
 

@@ -409,7 +409,8 @@ def test_the_runner_keeps_a_record_of_a_benchmark_run(tmp_path, monkeypatch):
 
 
 def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_path, monkeypatch):
-    """Arguments after the name go to the script, ``--`` wherever it stands; a failed run (here: an argument the
+    """Arguments after the name go to the script, the first ``--`` wherever it stands (a later one is the script's:
+    ``recipe_cli -- --row r -- --set k`` hands ``--set k`` to cca-convert); a failed run (here: an argument the
     script refuses) is recorded beside the completed run's record, which stays."""
     from benchmarks import registry, run
 
@@ -421,6 +422,8 @@ def test_the_runner_forwards_script_arguments_and_keeps_a_completed_record(tmp_p
     assert run.main(["toy", "--list", "--"]) == 0  # run.py's own --list, forwarded: it lists and exits 0
     good = next((tmp_path / "records").glob("toy-*.json"))
     assert json.loads(good.read_text())["command"] == "python benchmarks/run.py --list"
+    assert run.main(["toy", "--", "--list", "--"]) == 0  # a second `--` is the script's own: it goes through
+    assert json.loads(good.read_text())["command"] == "python benchmarks/run.py --list --"
     assert run.main(["toy", "--", "--no-such-option"]) != 0
     assert json.loads(good.read_text())["exit_code"] == 0, "a failed run replaced the completed record"
     failed = json.loads(good.with_name(good.stem + "-failed.json").read_text())
