@@ -108,58 +108,59 @@ def dca_attention_reference(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, loc
 
 
 def dca_attention_blocked(q, k, v, qpos, kpos, kvalid, qvalid, chunk_size, local_size, inv_freq, scale,
-                          c_orig=0, attention_factor=1.0, keys_rotated=False, block=512):
-    """``dca_attention_reference`` for long inputs on CPU: query blocks, and per block each part's product only over
-    the key positions that part can reach (intra ``[n_min s, i_max]``, succ ``[(n_min-1) s, n_max s)``, inter
-    ``[0, (n_max-1) s)``): about the FLOPs of one causal attention instead of three full ones, and no ``repeat_kv``.
-    The exact per-element masks are the reference's; differentiable."""
+                          c_orig=0, attention_factor=1.0, keys_rotated=False, block=1024):
+    """``dca_attention_reference`` for long inputs (a DCA model's path on CPU and under autograd) through torch's fused
+    ``scaled_dot_product_attention``: no (queries x keys) score matrix in memory, and differentiable.
+
+    The three rotations of a query sit side by side, ``q' = [q at o | q at min(o + s, C) | q at min(2s - 1, C)]``
+    (3d wide), and each key ``k'`` holds its rotated key in the slot of its part (intra, succ, inter) and zeros in
+    the other two, so ``q' . k'`` is the pair's DCA logit, exactly one product and adds of zero, and ONE softmax
+    covers every part. A key's slot depends on the query's chunk, so query blocks never cross a chunk boundary of
+    any row. ``v`` is zero-padded to 3d because SDPA's fused CPU kernel needs equal head dims (the extra output
+    columns are dropped). Pad queries get one dummy visible key (no NaN, forwards or backwards), then output 0."""
     check_params(chunk_size, local_size)
     s = chunk_size - local_size
     bsz, n_heads, q_len, head_dim = q.shape
-    n_kv = k.shape[1]
-    rep = n_heads // n_kv
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if not keys_rotated:
-        k = rope_at(k, (kpos % s)[:, None].expand(-1, n_kv, -1), inv_freq, attention_factor)
+        k = rope_at(k, (kpos % s)[:, None].expand(-1, k.shape[1], -1), inv_freq, attention_factor)
     k, v = k.to(dtype), v.to(dtype)
-    t_mult = temperature(_batch_length(kpos, kvalid), c_orig).to(dtype)[:, None, None, None, None]
-    o_i = qpos % s
+    o_i = qpos.clamp_min(0) % s
     rotations = (o_i, torch.clamp(o_i + s, max=chunk_size), torch.full_like(o_i, min(2 * s - 1, chunk_size)))
-    big = torch.iinfo(kpos.dtype).max
+    wide_q = torch.cat([rope_at(q, r[:, None].expand(-1, n_heads, -1), inv_freq, attention_factor).to(dtype)
+                        for r in rotations], -1)
+    if c_orig:  # T multiplies the logits: folded into the queries
+        wide_q = wide_q * temperature(_batch_length(kpos, kvalid), c_orig).to(dtype)[:, None, None, None]
+    wide_v = torch.cat([v, v.new_zeros(v.shape[:-1] + (2 * head_dim,))], -1)
+    q_chunk = torch.where(qvalid, qpos // s, -1)
+    k_chunk = kpos.clamp_min(0) // s
+    # a block starts where some row's real query is in another chunk than that row's previous real query
+    cols = torch.arange(q_len, device=q.device)
+    last_real = torch.where(qvalid, cols, -1).cummax(1).values
+    prev_chunk = torch.where(last_real >= 0, q_chunk.gather(1, last_real.clamp_min(0)), -1)[:, :-1]
+    starts = (qvalid[:, 1:] & (prev_chunk >= 0) & (q_chunk[:, 1:] != prev_chunk)).any(0)
+    edges = [0, *(torch.nonzero(starts).flatten() + 1).tolist(), q_len]
     outs = []
-    for a in range(0, q_len, block):
-        qp, qv = qpos[:, a:a + block], qvalid[:, a:a + block]
-        n = qp.shape[1]
-        if not bool(qv.any()):
-            outs.append(q.new_zeros(bsz, n_heads, n, head_dim, dtype=dtype))
-            continue
-        i_min, i_max = int(torch.where(qv, qp, big).min()), int(torch.where(qv, qp, -1).max())
-        n_min, n_max = i_min // s, i_max // s
-        reach = kvalid & (kpos <= i_max)
-        width = int(torch.nonzero(reach.any(0)).max()) + 1  # key columns any query of the block can see
-        kp = kpos[:, :width]
-        visible = (kp[:, None, :] <= qp[:, :, None]) & kvalid[:, None, :width] & qv[:, :, None]  # (B, n, width)
-        diff = qp[:, :, None] // s - kp[:, None, :] // s
-        scores = torch.full((bsz, n_kv, rep, n, width), float("-inf"), dtype=dtype, device=q.device)
-        ranges = ((2, max(0, (n_max - 1) * s), 0), (1, n_max * s, max(0, (n_min - 1) * s)),
-                  (0, i_max + 1, n_min * s))  # (rotation, hi, lo) in positions: inter, succ, intra
-        for rot, hi, lo in ranges:
-            cols = torch.nonzero(((kp >= lo) & (kp < hi) & kvalid[:, :width]).any(0)).flatten()
-            if cols.numel() == 0:
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        for a in range(lo, hi, block):
+            qp, qv = qpos[:, a:min(hi, a + block)], qvalid[:, a:min(hi, a + block)]
+            n = qp.shape[1]
+            reach = kvalid & (kpos <= torch.where(qv, qp, -1).amax(1, keepdim=True))
+            if not bool(reach.any()):  # no real query here (or none sees a key): the output is 0
+                outs.append(q.new_zeros(bsz, n_heads, n, head_dim, dtype=dtype))
                 continue
-            c0, c1 = int(cols.min()), int(cols.max()) + 1
-            qr = rope_at(q[:, :, a:a + n], rotations[rot][:, a:a + n][:, None].expand(-1, n_heads, -1), inv_freq,
-                         attention_factor).to(dtype).view(bsz, n_kv, rep, n, head_dim)
-            part = torch.einsum("bgrqd,bgkd->bgrqk", qr, k[:, :, c0:c1]).mul_(scale)
-            sel = diff[:, :, c0:c1] == rot if rot < 2 else diff[:, :, c0:c1] >= 2
-            part.masked_fill_(~(sel & visible[:, :, c0:c1])[:, None, None], float("-inf"))
-            # parts overlap in columns only where the block spans a chunk boundary; elsewhere both are -inf
-            torch.maximum(scores[..., c0:c1], part, out=scores[..., c0:c1])
-        if c_orig:
-            scores.mul_(t_mult)
-        probs = scores.softmax(-1).nan_to_num_(nan=0.0)  # a pad query's all -inf row: 0, never NaN
-        out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v[:, :, :width])
-        outs.append(out.reshape(bsz, n_heads, n, head_dim))
+            width = int(torch.nonzero(reach.any(0)).max()) + 1  # key columns any query of the block can see
+            diff = q_chunk[:, a:a + n].amax(1, keepdim=True) - k_chunk[:, :width]  # (B, width); -1: no real query
+            kw = k[:, :, :width]
+            wide_k = torch.cat([torch.where(part[:, None, :, None], kw, 0.0)
+                                for part in (diff == 0, diff == 1, diff >= 2)], -1)
+            visible = (kpos[:, None, :width] <= qp[:, :, None]) & kvalid[:, None, :width] & qv[:, :, None]
+            seen = visible.any(-1, keepdim=True)
+            visible = visible | (~seen & (torch.arange(width, device=q.device) == 0))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                wide_q[:, :, a:a + n], wide_k, wide_v[:, :, :width], attn_mask=visible[:, None], scale=scale,
+                enable_gqa=True)[..., :head_dim]
+            outs.append(torch.where(seen[:, None], out, 0.0))
     return torch.cat(outs, 2).to(q.dtype)
 
 

@@ -170,3 +170,51 @@ def test_temperature_scales_the_logits_of_the_pass():
     assert t_mult == pytest.approx((0.1 * math.log(4) + 1) ** 2)
     same = dca.dca_attention_reference(q, k, v, pos, pos, valid, valid, chunk, local, freq, 0.25 * t_mult)
     torch.testing.assert_close(on, same, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("heads,kv,head_dim,rotary", [(4, 4, 16, None), (4, 1, 16, None), (5, 1, 8, None),
+                                                       (7, 1, 16, 8), (8, 2, 80, None)])
+@pytest.mark.parametrize("chunk,local,block", [(7, 3, 4), (5, 0, 1024), (9, 4, 3)])
+@pytest.mark.parametrize("c_orig", [0, 6])
+def test_blocked_sdpa_path_equals_the_reference_with_gradients(heads, kv, head_dim, rotary, chunk, local, block,
+                                                                c_orig):
+    """The model's CPU path (wide queries through SDPA, blocks cut at every row's chunk boundaries) against the
+    one-softmax reference: forward and the gradients of q, k and v, fp64, a left-padded row and a pad query inside the
+    other row (so the block edges of the two rows differ), L = 23 not a multiple of s or of the block."""
+    q, k, v, pos, valid = tensors(heads=heads, kv=kv, head_dim=head_dim)
+    kvalid = valid.clone()
+    kvalid[1, :5] = False
+    pos = (kvalid.long().cumsum(-1) - 1).clamp_min(0)
+    qvalid = kvalid.clone()
+    qvalid[0, 11] = False  # a pad query between real ones: its output is 0, its row's neighbours are unaffected
+    freq = inv_freq(head_dim, rotary)
+    outs, grads = [], []
+    for fn, extra in ((dca.dca_attention_reference, {}), (dca.dca_attention_blocked, {"block": block})):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, pos, pos, kvalid, qvalid, chunk, local, freq, head_dim**-0.5, c_orig, 1.1, **extra)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        outs.append(out)
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-10, rtol=1e-10)
+    assert not outs[1][0, :, 11].any() and not outs[1][1, :, :5].any() and torch.isfinite(outs[1]).all()
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_sdpa_path_over_a_cache_and_in_low_precision(dtype):
+    """Passes over a rotated cache (decode steps and a chunked prefill, Lq < Lk) equal the reference's full pass in
+    the inputs' precision (the products run in fp32 in both)."""
+    chunk, local = 7, 2
+    freq = inv_freq(16).float()
+    q, k, v, pos, valid = (t.to(dtype) if t.is_floating_point() else t for t in tensors(length=27, kv=1))
+    kr = dca.rotate_keys(k, pos, chunk, local, freq)
+    full = dca.dca_attention_reference(q, kr, v, pos, pos, valid, valid, chunk, local, freq, 0.25, keys_rotated=True)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for cuts in ([0, 3, 10, 15, 27], [0, 25, 26, 27]):
+        rows = [dca.dca_attention_blocked(q[:, :, a:b], kr[:, :, :b], v[:, :, :b], pos[:, a:b], pos[:, :b],
+                                          valid[:, :b], valid[:, a:b], chunk, local, freq, 0.25, keys_rotated=True,
+                                          block=4) for a, b in zip(cuts, cuts[1:])]
+        got = torch.cat(rows, 2)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, full, **tol)
