@@ -542,6 +542,16 @@ def _check_resumable(saved: dict, job, world: int) -> None:
                        "restore it, or delete the checkpoint folder to start over")
 
 
+def as_exported(model, dtype: torch.dtype):
+    """The trained model in the export's dtype, as a clean load of the export has it: parameters cast, buffers kept.
+    ``model.to(dtype)`` would also cast RoPE's fp32 ``inv_freq`` (bf16 positions: the in-process validation and the
+    round trip's reference logits would come from a model that the exported folder does not give)."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
 def finish(run: Run) -> None:
     """Merge/unwrap the trained model into ``job.model`` and ship its metrics (rank 0). Other ranks of a
     distributed run end with ``job.model = None``: the pipeline stops there for them (rank 0 exports)."""
@@ -578,7 +588,7 @@ def finish(run: Run) -> None:
             describe_adapter(job.staging / "adapter", job, ft)
         trained = trained.merge_and_unload()
     (getattr(trained, "activation_checkpointing_disable", None) or trained.gradient_checkpointing_disable)()
-    trained = trained.to(device=job.device, dtype=job.dtype).eval()
+    trained = as_exported(trained.to(job.device), job.dtype).eval()
     trained.config.use_cache = run.use_cache
     job.model, job.finetuned = trained, True
     root = run.root
