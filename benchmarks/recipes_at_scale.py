@@ -206,7 +206,7 @@ def run_row(args, row: str) -> dict:
         estimates["validate"] = memory.validate_estimate(
             memory.Shape.of(config, sum(math.prod(s) for s in shapes.values())), length=max(lengths), batch=1,
             weight_bytes=dtype.itemsize, cuda=args.device.startswith("cuda"),
-            reference_attention=recipe.cca.attn_backend == "reference")
+            reference_attention="scores" if recipe.cca.attn_backend == "reference" else None)
     budget, device = (80 * 2**30, "(estimate only)") if args.estimate_only else memory.device_memory(args.device)
     ft = recipe.finetune
     out = {"row": row, "recipe": f"recipes/{name}.yaml", "family": family, "device": device,

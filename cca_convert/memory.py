@@ -10,7 +10,8 @@ The model is bytes, term by term (see ``docs/MEMORY.md`` for the derivation and 
 - the loss over one chunk of logits (``finetune/chunked_loss.py``: never the whole sequence's);
 - validation (no gradients, no KV cache: one forward pass per window): the weights plus one layer's intermediates
   at the longest length, and the logits of one chunk; the base model's full attention runs on the same weights;
-- the PyTorch reference attention (CPU) holds a (heads, L, L) score matrix: O(L^2);
+- the PyTorch reference attention (CPU) holds a (heads, L, L) score matrix: O(L^2); DCA's PyTorch path runs
+  through SDPA instead: wide (3 x head_dim) fp32 queries, keys and values and one query block's mask, O(L);
 - a fixed reserve for the CUDA context, kernels' workspaces and allocator slack.
 """
 
@@ -101,9 +102,28 @@ def reference_attention_bytes(shape: Shape, batch: int, length: int) -> float:
     return 2 * 4 * batch * shape.heads * length * length
 
 
+def dca_attention_bytes(shape: Shape, batch: int, length: int, block: int = 1024) -> float:
+    """DCA's PyTorch attention (``dca_attention_blocked``): fp32 queries, keys and values three head dims wide with
+    their rotation temporaries, and one block of queries' (block x L) mask with SDPA's float copy of it."""
+    head_dim = shape.q_width // shape.heads
+    kv_heads = shape.kv_width // head_dim
+    return batch * length * head_dim * (24 * shape.heads + 48 * kv_heads) + 5 * batch * min(block, length) * length
+
+
+def _reference_part(kind: str | None, shape: Shape, batch: int, length: int) -> tuple[str, float] | None:
+    """``kind``: None (the kernels run), "scores" (the (heads, L, L) reference), "dca" (``dca_attention_bytes``)."""
+    if kind is None:
+        return None
+    if kind == "scores":
+        return "reference attention scores", reference_attention_bytes(shape, batch, length)
+    if kind == "dca":
+        return "DCA's PyTorch attention", dca_attention_bytes(shape, batch, length)
+    raise ValueError(f"reference_attention={kind!r}: expected None, 'scores' or 'dca'")
+
+
 def finetune_estimate(shape: Shape, *, method: str, seq_len: int, micro_batch: int, checkpointing: bool,
                       weight_bytes: int, lora_rank: int = 16, world: int = 1, fsdp: bool = False,
-                      reference_attention: bool = False, cuda: bool = True) -> Estimate:
+                      reference_attention: str | None = None, cuda: bool = True) -> Estimate:
     tokens = seq_len * micro_batch
     trained = {"full": shape.params, "qkv": shape.qkv_params, "lora": lora_rank * shape.lora_params_per_rank}[method]
     e = Estimate("finetune")
@@ -127,14 +147,14 @@ def finetune_estimate(shape: Shape, *, method: str, seq_len: int, micro_batch: i
         e.parts["the loss (one chunk of logits)"] = loss
     if shape.sliding:
         e.parts["sliding-window mask"] = sliding_mask_bytes(shape, micro_batch, seq_len)
-    if reference_attention:
-        e.parts["reference attention scores"] = 2 * reference_attention_bytes(shape, micro_batch, seq_len)
+    if part := _reference_part(reference_attention, shape, micro_batch, seq_len):  # forward and backward
+        e.parts[part[0]] = 2 * part[1]
     e.parts["reserve"] = CUDA_RESERVE if cuda else CPU_RESERVE
     return e
 
 
 def validate_estimate(shape: Shape, *, length: int, batch: int, weight_bytes: int,
-                      reference_attention: bool = False, cuda: bool = True, generate: bool = False) -> Estimate:
+                      reference_attention: str | None = None, cuda: bool = True, generate: bool = False) -> Estimate:
     """``generate``: the validation's tasks decode after a prefill of ``length`` tokens (one prompt at a time), so the
     base's full KV cache is held too."""
     e = Estimate("validate")
@@ -147,8 +167,8 @@ def validate_estimate(shape: Shape, *, length: int, batch: int, weight_bytes: in
     if shape.sliding:
         e.parts["sliding-window mask"] = sliding_mask_bytes(shape, batch, length)
     e.parts["logits (one chunk)"] = 2 * 2**28  # validate/perplexity.py's LOGIT_BYTES, and its bf16 source
-    if reference_attention:
-        e.parts["reference attention scores"] = reference_attention_bytes(shape, batch, length)
+    if part := _reference_part(reference_attention, shape, batch, length):
+        e.parts[part[0]] = part[1]
     e.parts["reserve"] = CUDA_RESERVE if cuda else CPU_RESERVE
     return e
 

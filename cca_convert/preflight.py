@@ -105,13 +105,18 @@ def _uses_reference_attention(recipe, device) -> bool:
     return methods.get(recipe.method).uses_reference_attention(recipe, device)
 
 
+def _reference_memory(recipe, device) -> str | None:
+    """What the method's PyTorch attention holds where it runs (``memory._reference_part``), None where kernels run."""
+    return methods.get(recipe.method).reference_memory if _uses_reference_attention(recipe, device) else None
+
+
 def memory_estimates(recipe, config, dtype, device, shapes: dict) -> list:
     """The peak-memory estimate per device of every memory-heavy stage ``recipe`` runs (``cca_convert.memory``)."""
     from . import memory
 
     shape = memory.Shape.of(config, sum(math.prod(s) for s in shapes.values()))
     cuda = str(device).startswith("cuda")
-    reference = _uses_reference_attention(recipe, device)
+    reference = _reference_memory(recipe, device)
     out = []
     ft, v = recipe.finetune, recipe.validate
     if ft.enabled:
@@ -220,7 +225,7 @@ def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
             ideas.append(f"--set 'validate.context_lengths={kept}'")
     if not str(job.device).startswith("cuda"):
         ideas.append("a GPU (this run is on the CPU" + (", where the reference attention holds an L x L score "
-                                                         "matrix)" if _uses_reference_attention(job.recipe, job.device) else ")"))
+                                                         "matrix)" if _reference_memory(job.recipe, job.device) == "scores" else ")"))
     return ("would fit: " + "; or ".join(ideas) if ideas else "no single setting change fits: use a device with "
             "more memory") + ". Nothing was loaded or written"
 

@@ -158,3 +158,32 @@ def test_the_round_trip_starts_with_the_converters_cuda_reserve_handed_back(tmp_
                  "--set", "validate.enabled=false"]) == 0
     assert seen["after_load"] >= 4 * GiB, seen
     assert seen["roundtrip"] < GiB, seen
+
+
+def test_dca_on_a_cpu_is_estimated_linear_in_length_not_as_a_score_matrix():
+    """DCA's PyTorch path runs through SDPA (no L x L matrix): its estimate grows with L, CCA's reference with L^2.
+    examples/tiny-llama (8/2 heads of 32) at 16K: ~0.22 GiB against the score matrix's 16 GiB; the CLI measured a
+    386 MiB prefill peak for the whole DCA model there (benchmarks/results/dca-cpu-sdpa.md)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(Path(__file__).parents[1] / "examples" / "tiny-llama")
+    shape = memory.Shape.of(config, 3_800_000)
+    at = {n: memory.validate_estimate(shape, length=n, batch=1, weight_bytes=2, reference_attention="dca", cuda=False)
+          .parts["DCA's PyTorch attention"] for n in (16384, 32768)}
+    scores = memory.validate_estimate(shape, length=16384, batch=1, weight_bytes=2, reference_attention="scores",
+                                      cuda=False).parts["reference attention scores"]
+    assert 0.1 * GiB < at[16384] < 0.5 * GiB and scores == 16 * GiB
+    assert 1.9 < at[32768] / at[16384] < 2.1
+    with pytest.raises(ValueError, match="reference_attention"):
+        memory.validate_estimate(shape, length=16, batch=1, weight_bytes=2, reference_attention=True)
+
+
+def test_the_methods_name_what_their_pytorch_attention_holds():
+    from cca_convert import methods
+    from cca_convert.preflight import _reference_memory
+    from cca_convert.recipe import Recipe
+
+    for name, kind in (("cca", "scores"), ("dca", "dca")):
+        recipe = Recipe.model_validate({"method": name})
+        assert _reference_memory(recipe, "cpu") == kind and methods.get(name).reference_memory == kind
+        assert _reference_memory(recipe, "cuda:0") is None  # the kernels run there

@@ -69,8 +69,12 @@ class Method(ABC):
             problems.errors.append(f"{self.name}.attn_backend=triton needs a CUDA GPU and this run is on the CPU: use "
                                    "auto (Triton on CUDA, the reference elsewhere) or reference")
 
+    # the memory of its PyTorch attention (``memory.finetune_estimate``'s ``reference_attention``): "scores", an
+    # (L x L) matrix per head
+    reference_memory = "scores"
+
     def uses_reference_attention(self, recipe, device) -> bool:
-        """The PyTorch reference attention (O(L^2) memory) runs: asked for, or auto on a CPU."""
+        """The PyTorch attention (memory: ``reference_memory``) runs: asked for, or auto on a CPU."""
         backend = self.settings(recipe).attn_backend
         return backend == "reference" or (backend == "auto" and not str(device).startswith("cuda"))
 

@@ -80,6 +80,7 @@ class DCA(Method):
             "stock model)")
     section = DCASection
     tags = ("dca", "dual-chunk-attention")
+    reference_memory = "dca"  # its PyTorch path runs through SDPA: no (L x L) matrix
     training_free = "its Triton kernel has no backward"
     base_note = "(the same weights with plain RoPE positions, attn_implementation=sdpa)"
 
