@@ -452,12 +452,14 @@ def test_read_floor_reads_every_key_and_value_once():
     exactly the first L columns of keys and values (strided views with spare room past L, L not a multiple of a
     tile, batch > 1), every config of the sweep."""
     from benchmarks import read_floor
+    from tests.support.triton_env import triton_device
 
+    device = triton_device("the read-floor kernel")[2]
     gen = torch.Generator().manual_seed(0)
     shapes = ((2, 3, 333, 40), (1, 2, 128, 0), (3, 1, 1000, 24))
     for (B, Hkv, L, spare), cfg in zip(shapes * 2, read_floor.READ_CONFIGS):
-        kbuf = torch.randn(B, Hkv, L + spare, 16, generator=gen)
-        vbuf = torch.randn(B, Hkv, L + spare, 16, generator=gen)
+        kbuf = torch.randn(B, Hkv, L + spare, 16, generator=gen).to(device)
+        vbuf = torch.randn(B, Hkv, L + spare, 16, generator=gen).to(device)
         kbuf[:, :, L:] = 1e6  # the room past L must not be read into the sum
         vbuf[:, :, L:] = 1e6
         k, v = kbuf[:, :, :L], vbuf[:, :, :L]
