@@ -188,9 +188,9 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
     if not isinstance(data, dict):
         raise CCAError(f"{path}:1: a recipe must be a mapping of sections (cca:, export:, ...)")
     set_keys = {}
-    for key, value in parse_overrides(list(overrides)):
+    for pair, (key, value) in zip(overrides, parse_overrides(list(overrides))):
         _set_dotted(data, key, value)
-        set_keys[tuple(key.split("."))] = f"--set {key}={value}"
+        set_keys[tuple(key.split("."))] = f"--set {key}={pair.partition('=')[2].strip()}"  # as the user typed it
     try:
         model = recipe_model()
         recipe = model.model_validate(data)
@@ -199,7 +199,10 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
         err = exc.errors()[0]
         loc = tuple(str(p) for p in err["loc"])
         dotted = ".".join(loc)
-        where = set_keys.get(loc) or (f"{path}:{lines[loc]}" if loc in lines else str(path))
+        # a list item's error (finetune.adam_betas.1) belongs to the key that set the list
+        heads = [loc[:n] for n in range(len(loc), 0, -1)]
+        where = next((set_keys[h] for h in heads if h in set_keys), None) or next(
+            (f"{path}:{lines[h]}" for h in heads if h in lines), str(path))
         msg = f"{where}: {dotted}: {_describe(err)}"
         if err["type"] == "extra_forbidden":
             msg += f"; known keys here: {', '.join(_known_keys(model, loc))}"
