@@ -14,6 +14,23 @@ from pathlib import Path
 from .errors import CCAError
 
 
+def check_export(folder: Path) -> None:
+    """CCAError unless ``folder`` holds a model cca-convert exported (any method's config, or the first releases'
+    ``model_type: cca``): pushing rewrites the folder's card, which must not happen to a base model's folder."""
+    from . import methods
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CCAError(f"{folder / 'config.json'} is not readable JSON ({type(exc).__name__}): pass a folder exported "
+                       "by cca-convert") from None
+    if not isinstance(raw, dict) or (methods.of_config(raw) is None and raw.get("model_type") != "cca"):
+        raise CCAError(f"{folder} is not a model exported by cca-convert (its config.json has the settings of none of "
+                       f"its methods: {', '.join(methods.METHODS)}): `cca-convert push` uploads a conversion's output "
+                       "folder; convert the model first (`cca-convert SOURCE --push-to-hub REPO` does both), or upload "
+                       "another folder with `hf upload`")
+
+
 def check_report(folder: Path, force: bool, log=print) -> dict | None:
     """The folder's validation report; CCAError if it failed its gates (unless ``force``)."""
     path = Path(folder) / "validation" / "report.json"
@@ -58,6 +75,7 @@ def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | N
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise CCAError(f"{folder} has no config.json: pass a folder exported by cca-convert")
+    check_export(folder)  # before anything is read further or its card rewritten: it may be someone's base model
     report = check_report(folder, force, log)
     from .hub import check_push_target
     from .model_card import retarget

@@ -204,3 +204,16 @@ def test_push_command_points_the_card_at_the_pushed_id(tmp_path, hub_server, cap
     (tmp_path / "empty").mkdir()
     hub_server.run_python(code, cwd=tmp_path / "empty", HF_MODULES_CACHE=str(tmp_path / "modules"))
     assert torch.load(tmp_path / "logits.pt").shape[-1] == 128
+
+
+def test_push_refuses_a_folder_cca_convert_did_not_export(tmp_path, hub_server, capsys):
+    """A base model's folder (here the conversion's own source) is not uploaded and its card is not rewritten."""
+    seed_base(hub_server, tmp_path)
+    base = tmp_path / "base"
+    (base / "README.md").write_text('# my model\n\n```python\nAutoModel.from_pretrained("me/mine")\n```\n')
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    assert main(["push", str(base), "user/oops"]) == 2
+    err = capsys.readouterr().err
+    assert f"{base} is not a model exported by cca-convert" in err and "hf upload" in err
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    assert "user/oops" not in hub_server.hub.repos
