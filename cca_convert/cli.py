@@ -60,8 +60,8 @@ def convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="export (and push) even if a validation gate fails")
     p.add_argument("--gpus", type=int, metavar="N", help="run on N GPUs of this machine (accelerate launch with the "
                                                          "package's config; only rank 0 writes)")
-    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp",
-                   help="with --gpus: FSDP (sharded; any finetune method) or DDP (replicated; LoRA / qkv)")
+    p.add_argument("--parallel", choices=("fsdp", "ddp"),
+                   help="with --gpus: FSDP (sharded; any finetune method; the default) or DDP (replicated; LoRA / qkv)")
     from .publish import add_push_options
 
     add_push_options(p)
@@ -89,6 +89,7 @@ def run_convert(argv: list[str]) -> int:
     from .recipe import load_recipe
 
     args = convert_parser().parse_args(argv)
+    _check_flags(args)
     from .recipe import parse_overrides
 
     recipe = load_recipe(args.recipe, args.overrides)[0] if args.recipe else None
@@ -105,10 +106,8 @@ def run_convert(argv: list[str]) -> int:
 
         preflight(args.push_to_hub, revision=args.hub_revision, create_pr=args.create_pr)
     base_dir = resolve_source(args.source, args.revision)  # a Hub download happens once, here, before any launch
-    if args.gpus is not None and args.gpus < 1:
-        raise CCAError(f"--gpus {args.gpus}: give the number of GPUs to use (1 or more)")
     if args.gpus and args.gpus > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(argv, args.gpus, args.parallel)
+        return _launch(argv, args.gpus, args.parallel or "fsdp")
     family = read_base_config(base_dir)["model_type"]
     if recipe is None:
         recipe, path = load_recipe(None, args.overrides, family)
@@ -119,6 +118,19 @@ def run_convert(argv: list[str]) -> int:
               command=shlex.join(["cca-convert", *(a for a in argv if a != "--debug")]))
     run_job(job)
     return 0
+
+
+def _check_flags(args) -> None:
+    """Flags that do nothing without another are refused, not ignored: the user meant something by them."""
+    if args.gpus is not None and args.gpus < 1:
+        raise CCAError(f"--gpus {args.gpus}: give the number of GPUs to use (1 or more)")
+    if args.parallel and args.gpus is None:
+        raise CCAError(f"--parallel {args.parallel} sets how several GPUs share the run: add --gpus N, or drop it")
+    loose = [flag for flag, value in (("--private", args.private), ("--hub-revision", args.hub_revision),
+                                      ("--create-pr", args.create_pr)) if value]
+    if loose and not args.push_to_hub:
+        raise CCAError(f"{' and '.join(loose)} only apply to an upload: add --push-to-hub REPO, or drop "
+                       f"{'them' if len(loose) > 1 else 'it'} (`cca-convert push DIR REPO` uploads an existing export)")
 
 
 def _launch(argv: list[str], gpus: int, parallel: str) -> int:

@@ -258,6 +258,11 @@ ROWS = {
     # command line
     "no-source": (lambda w, t: [], 2, r"(SOURCE|required)"),
     "mistyped-command": (lambda w, t: ["valdate", str(t / "x")], 2, r"unknown command 'valdate'; did you mean"),
+    "parallel-without-gpus": (lambda w, t: _argv(w / "base", recipe_file(t, GOOD), t / "out", "--parallel", "ddp"), 2,
+                              r"--parallel ddp sets how several GPUs share the run: add --gpus N"),
+    "hub-flags-without-push": (lambda w, t: _argv(w / "base", recipe_file(t, GOOD), t / "out", "--private",
+                                                  "--create-pr"), 2,
+                               r"--private and --create-pr only apply to an upload: add --push-to-hub REPO"),
     "unknown-flag": (lambda w, t: _argv(w / "base", recipe_file(t, GOOD), t / "out", "--frobnicate"), 2,
                      r"unrecognized arguments"),
 }
