@@ -205,7 +205,9 @@ def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
             ideas.append("--set finetune.gradient_checkpointing=true")
         if ft.method != "lora" and fits(**{"finetune.method": "lora"}):
             ideas.append("--set finetune.method=lora")
-        n = next((n for n in memory.fitting_seq_lens(ft.seq_len) if fits(**{"finetune.seq_len": n})), None)
+        limit = job.config.max_position_embeddings  # check_seq_len's bound: the suggestion must pass it too
+        n = next((n for n in memory.fitting_seq_lens(ft.seq_len) if n <= limit and fits(**{"finetune.seq_len": n})),
+                 None)
         if n:
             ideas.append(f"--set finetune.seq_len={n}")
         if str(job.device).startswith("cuda") and ft.method != "lora" and not _fsdp():

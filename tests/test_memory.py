@@ -66,6 +66,26 @@ def test_the_estimate_names_the_fixes_that_fit(llama8b, tmp_path, capsys, monkey
     assert "finetune.method=lora" in line and re.search(r"FSDP on \d GPUs", line), line
 
 
+def test_a_suggested_seq_len_stays_within_the_models_context(tmp_path, capsys, monkeypatch):
+    """A base trained to 2048 with the 8B recipe's seq_len 32768 on a small CPU: both problems are named, and the
+    memory line's seq_len is one the context check accepts (not the largest that would fit, 8192)."""
+    from cca_convert import preflight
+
+    save_base(tmp_path / "base", max_position_embeddings=2048)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (24 * GiB, "CPU RAM (24.0 GiB, 24.0 available)"))
+    monkeypatch.setattr(preflight, "check_output_space", lambda job, shapes: None)
+    monkeypatch.setattr(preflight, "check_finetune_data", lambda job: None)
+    monkeypatch.setattr(preflight, "check_validation_data", lambda job: None)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp_path / "base"), "--output", "out", "--set", "finetune.seq_len=32768"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert any("finetune.seq_len=32768 exceeds the model's max_position_embeddings=2048" in ln for ln in lines), lines
+    fit = next(ln for ln in lines if "would fit:" in ln)
+    suggested = [int(n) for n in re.findall(r"--set finetune.seq_len=(\d+)", fit)]
+    assert suggested and all(n <= 2048 for n in suggested), fit
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tiny_model_fits_and_the_estimate_is_logged(tmp_path, capsys):
     save_base(tmp_path / "base", max_position_embeddings=512)
     (tmp_path / "held.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
