@@ -114,6 +114,25 @@ def update_card(readme: Path, report: dict) -> None:
     readme.write_text(portable_text(str(card)))
 
 
+def _device(text: str | None) -> str:
+    """``--device`` checked before anything is loaded: cpu, cuda or cuda:N of this machine."""
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise CCAError(f"--device {text}: the validation runs on cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and not count:
+        raise CCAError(f"--device {text}: this machine has no CUDA GPU that torch {torch.__version__} can use; "
+                       "use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise CCAError(f"--device {text}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+    return text
+
+
 def run_validate(argv: list[str]) -> int:
     from transformers import AutoConfig
 
@@ -121,10 +140,13 @@ def run_validate(argv: list[str]) -> int:
     from .hub import resolve_source
 
     args = validate_parser().parse_args(argv)
-    if args.lm_eval:
+    if args.lm_eval is not None:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+        if not tasks:
+            raise CCAError(f"--lm-eval {args.lm_eval!r} names no task: give lm-eval task names, comma-separated "
+                           "(e.g. --lm-eval heldout_rolling), or drop --lm-eval")
         args.overrides.append(f"validate.lm_eval.tasks=[{', '.join(tasks)}]")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(args.device)
     local = Path(args.target).expanduser()
     repo_id = None if local.is_dir() else args.target
     folder = resolve_source(args.target, args.revision)

@@ -332,6 +332,21 @@ def test_validate_command_on_exported_folder(tmp_path, base_dir, texts, capsys):
     assert main(["validate", str(base_dir)]) == 2  # not a CCA model
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--device", "banana"], "--device banana: the validation runs on cpu, cuda or cuda:N"),
+    (["--device", "mps"], "--device mps: the validation runs on cpu, cuda or cuda:N"),
+    (["--device", "cuda:64"], "--device cuda:64: this machine has "),
+    (["--lm-eval", ","], "--lm-eval ',' names no task"),
+    (["--lm-eval", ""], "--lm-eval '' names no task"),
+])
+def test_validate_flags_are_checked_before_anything_loads(tmp_path, capsys, flags, message):
+    """One error line, exit 2, no folder written: before the target is even looked up."""
+    assert main(["validate", str(tmp_path / "nope"), *flags]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_non_finite_perplexity_fails_whatever_the_gates(tmp_path, base_dir, texts):
     from transformers import AutoTokenizer
 
