@@ -5,6 +5,7 @@ local export. And `cca-convert push` refuses a folder whose validation failed it
 import importlib.util
 import json
 
+import pytest
 import torch
 import yaml
 
@@ -217,3 +218,29 @@ def test_push_refuses_a_folder_cca_convert_did_not_export(tmp_path, hub_server, 
     assert f"{base} is not a model exported by cca-convert" in err and "hf upload" in err
     assert {p.name: p.read_bytes() for p in base.iterdir()} == before
     assert "user/oops" not in hub_server.hub.repos
+
+
+def test_push_knows_each_methods_export_from_a_base(tmp_path):
+    """Both methods' exports (and the first releases' model_type cca) pass; a base, a Qwen2.5-1M base with its own
+    dual_chunk_attention_config, and a config that is not a JSON object are refused."""
+    from cca_convert.errors import CCAError
+    from cca_convert.publish import check_export
+
+    dca = {"chunk_size": 1536, "local_size": 256, "original_max_position_embeddings": 2048}
+    cases = {
+        "cca": ({"model_type": "llama", "cca_group_size": 16}, True),
+        "dca": ({"model_type": "llama", "dual_chunk_attention_config": dca, "dca_trained_context": 2048}, True),
+        "first-release": ({"model_type": "cca", "base_model_type": "llama"}, True),
+        "base": ({"model_type": "llama"}, False),
+        "qwen2.5-1m-base": ({"model_type": "qwen2", "dual_chunk_attention_config": dca}, False),
+        "not-an-object": ([1, 2], False),
+    }
+    for name, (config, exported) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        if exported:
+            check_export(folder)
+        else:
+            with pytest.raises(CCAError, match="is not a model exported by cca-convert"):
+                check_export(folder)
