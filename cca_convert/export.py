@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from . import published
 from .errors import CCAError
+from .hub import no_safetensors
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -135,7 +136,7 @@ def base_weight_files(base_dir: Path) -> list[Path]:
         return [base_dir / n for n in names]
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
-        raise CCAError(f"{base_dir} has no *.safetensors weights (convert .bin checkpoints with transformers first)")
+        raise CCAError(no_safetensors(base_dir))
     return files
 
 

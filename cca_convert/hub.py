@@ -112,6 +112,14 @@ def _unreachable(action: str, exc: BaseException) -> CCAError:
     )
 
 
+def no_safetensors(where) -> str:
+    """The refusal of a model without safetensors weights (``.bin`` / ``.pth`` are pickles: not read here), with the
+    conversion that fixes it."""
+    return (f"{where} has no *.safetensors weights (cca-convert does not read .bin/.pth pickles): convert them with "
+            "transformers, `AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST)` (plus the tokenizer's "
+            "save_pretrained(DST)), and pass DST")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Download
 # ----------------------------------------------------------------------------------------------------------------------
@@ -152,10 +160,7 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
     if not (folder / "config.json").is_file():
         raise CCAError(f"{where} has no config.json: it is not a transformers model repo")
     if not any(folder.glob("*.safetensors")):
-        raise CCAError(
-            f"{where} has no *.safetensors weights (cca-convert does not read .bin/.pth): load it with transformers, "
-            "save_pretrained() it to a folder and pass that folder"
-        )
+        raise CCAError(no_safetensors(where))
     return folder
 
 

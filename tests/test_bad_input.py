@@ -74,6 +74,11 @@ def damage_weights(base: Path, how: str) -> None:
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif how == "garbage":
         shard.write_bytes(b"\xff" * 64)
+    elif how == "pickle":  # the same weights as a .bin checkpoint
+        import torch
+
+        torch.save(load_file(shard), base / "pytorch_model.bin")
+        shard.unlink()
     else:
         tensors = load_file(shard)
         if how == "nan":
@@ -198,6 +203,8 @@ ROWS = {
                        r"model_type='gemma2' is not supported: it caps attention logits"),
     "weights-truncated": (row_base(lambda b: damage_weights(b, "truncate")), 2, r"not a readable safetensors file"),
     "weights-garbage": (row_base(lambda b: damage_weights(b, "garbage")), 2, r"not a readable safetensors file"),
+    "weights-bin-only": (row_base(lambda b: damage_weights(b, "pickle")), 2,
+                         r"has no \*\.safetensors weights .*save_pretrained\(DST\).*pass DST"),
     "weights-non-finite": (row_base(lambda b: damage_weights(b, "nan")), 2, r"up_proj.weight holds 1 non-finite"),
     "weights-missing-tensor": (row_base(lambda b: damage_weights(b, "missing")), 2, r"v_proj"),
     "weights-wrong-shape": (row_base(lambda b: edit_config(b, num_key_value_heads=4)), 2, r"k_proj.weight has shape"),
