@@ -1,5 +1,7 @@
-"""The pretraining corpora of the example bases: the commentaries' decoder, the shipped file, --extra-train."""
+"""The pretraining corpora of the example bases: the commentaries' decoder, the code corpus's builder, the shipped
+files, --extra-train."""
 
+import hashlib
 import json
 import lzma
 import struct
@@ -15,6 +17,7 @@ DATA = REPO / "examples" / "data"
 sys.path.insert(0, str(DATA))
 sys.path.insert(0, str(REPO / "examples"))
 
+import prepare_code  # noqa: E402
 import prepare_commentaries as pc  # noqa: E402
 from prepare_kjv import FINETUNE, HELDOUT  # noqa: E402
 from train_tiny_llama import read_books  # noqa: E402
@@ -64,6 +67,61 @@ def test_the_shipped_commentaries_leave_out_the_held_out_and_finetune_books():
     titles = {d.split("\n", 1)[0] for d in docs}
     assert {"Genesis", "Romans", "Psalm 3 OVERVIEW"} <= titles
     assert not titles & (HELDOUT | FINETUNE)
+
+
+def _module(root: Path, rel: str, text: str) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(text.encode())
+
+
+def test_the_code_corpus_is_one_document_per_module_and_the_splits_share_none(tmp_path, capsys):
+    root = tmp_path / "python3.11"
+    held = lambda rel: hashlib.sha1(rel.encode()).digest()[-1] < prepare_code.HELDOUT_BELOW  # noqa: E731
+    kept = [f"pkg/mod{i}.py" for i in range(200)] + ["json/__init__.py", "os.py"]
+    assert 3 <= sum(map(held, kept)) <= 30  # both splits get modules (about 5% held out)
+    for rel in kept:
+        _module(root, rel, f"def f():\n    return {rel!r}\n")
+    # blank-line runs, CRLF and a leading blank line: one blank line at most inside a document
+    _module(root, "gaps.py", "\r\nx = 1\r\n\r\n\r\n\r\ny = 2\n  \n\t\n\nz = 3\n \nw = 4\n")
+    for rel in ["test/test_os.py", "idlelib/run.py", "site-packages/six.py", "pkg/test_x.py", "lib2to3/main.py",
+                "config-3.11-x86_64-linux-gnu/python-config.py", "pkg/__pycache__/mod0.py", "pkg/notes.txt"]:
+        _module(root, rel, "left = 'out'\n")
+    _module(root, "empty.py", "\n\n")
+    assert prepare_code.main([str(root), str(tmp_path / "out")]) == 0
+    splits = {name: read_books(tmp_path / "out" / f"{name}.txt.xz") for name in ("train", "heldout")}
+    names = {name: [d.split("\n", 1)[0].removeprefix("# ") for d in docs] for name, docs in splits.items()}
+    assert sorted(names["train"] + names["heldout"]) == sorted(kept + ["gaps.py"])  # each kept module once
+    assert sorted(names["heldout"]) == sorted(filter(held, kept + ["gaps.py"]))  # by the path's hash alone
+    gaps = next(d for docs in splits.values() for d in docs if d.startswith("# gaps.py"))
+    assert gaps == "# gaps.py\nx = 1\n\ny = 2\n\nz = 3\n \nw = 4\n"
+    out = capsys.readouterr().out
+    assert f"heldout: {len(names['heldout'])} modules" in out and f"train: {len(names['train'])} modules" in out
+
+
+# the Debian package the shipped code corpus was built from (examples/data/README.md)
+_STDLIB = Path("/usr/lib/python3.11")
+_STDLIB_VERSION = "3.11.2-6+deb12u6"
+
+
+def _debian_stdlib_version() -> str | None:
+    try:
+        proc = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "libpython3.11-stdlib"], capture_output=True,
+                              text=True, timeout=30)
+    except OSError:
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+@pytest.mark.skipif(not _STDLIB.is_dir() or _debian_stdlib_version() != _STDLIB_VERSION,
+                    reason=f"needs Debian's libpython3.11-stdlib {_STDLIB_VERSION} in {_STDLIB}")
+def test_the_shipped_code_corpus_is_what_its_builder_makes_of_the_debian_package(tmp_path):
+    proc = subprocess.run([sys.executable, str(DATA / "prepare_code.py"), str(_STDLIB), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train: 520 modules" in proc.stdout and "heldout: 37 modules" in proc.stdout
+    for name in ("train", "heldout"):
+        built = lzma.decompress((tmp_path / f"{name}.txt.xz").read_bytes())
+        assert built == lzma.decompress((DATA / "code" / f"{name}.txt.xz").read_bytes()), name
 
 
 def test_extra_training_documents_reach_the_tokenizer_and_the_summary(tmp_path):
