@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from . import extend, methods
 from .errors import CCAError
 from .families import config_problems, family_of
+from .multimodal import text_view
 from .recipe import Recipe
 
 
@@ -25,6 +26,7 @@ def read_base_config(base_dir: Path) -> dict:
         raise CCAError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise CCAError(f"{path} is not a JSON object")
+    raw = text_view(raw)  # a multimodal checkpoint's language model is the base
     try:
         family_of(raw)
     except ValueError as exc:
@@ -39,9 +41,15 @@ def _base_config(base_dir: Path):
     family = family_of(read_base_config(base_dir))
     try:
         # AutoConfig normalises legacy fields (rope_theta + rope_scaling -> rope_parameters, ...).
-        return family, AutoConfig.from_pretrained(base_dir)
+        config = AutoConfig.from_pretrained(base_dir)
     except (OSError, TypeError, ValueError) as exc:
         raise CCAError(f"cannot read {base_dir / 'config.json'} as a {family.causal_lm} config: {exc}") from None
+    if config.model_type == family.model_type:
+        return family, config
+    text = config.get_text_config()  # a multimodal checkpoint's language model
+    if getattr(text, "dtype", None) is None:
+        text.dtype = config.dtype
+    return family, text
 
 
 def build_config(base_dir: Path, recipe: Recipe):

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from . import published
 from .errors import CCAError
 from .hub import no_safetensors
+from .multimodal import folder_part
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -140,19 +141,26 @@ def base_weight_files(base_dir: Path) -> list[Path]:
     return files
 
 
+def _text_names(folder: Path):
+    """name -> the text model's name (None: left out) for a multimodal checkpoint's weights; identity otherwise."""
+    part = folder_part(folder)
+    return part.text_name if part else (lambda name: name)
+
+
 def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from the safetensors headers of ``folder`` (no weights read); a missing, truncated or
-    unparsable file is a CCAError naming it."""
+    """Every tensor's shape from the safetensors headers of ``folder`` (no weights read), by the text model's names
+    (``multimodal``); a missing, truncated or unparsable file is a CCAError naming it."""
     from safetensors import SafetensorError, safe_open
 
-    shapes = {}
+    shapes, text_name = {}, _text_names(folder)
     for path in base_weight_files(folder):
         if not path.is_file():
             raise CCAError(f"{path}: weight file listed in the index is missing; download the model again")
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    if (text := text_name(name)) is not None:
+                        shapes[text] = tuple(f.get_slice(name).get_shape())
         except (SafetensorError, OSError) as exc:
             raise CCAError(f"{path}: not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); the "
                            "download is truncated or corrupt: download it again") from None
@@ -165,18 +173,27 @@ def export_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
 
 
 def stream_base_tensors(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's tensors by the text model's names (a multimodal checkpoint's other parts left out)."""
+    text_name = _text_names(base_dir)
     for path in base_weight_files(base_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if (text := text_name(name)) is not None:
+                    yield text, f.get_tensor(name)
 
 
-def base_tensor_names(base_dir: Path) -> list[str]:
+def checkpoint_tensor_names(base_dir: Path) -> list[str]:
+    """Every tensor name of the base's files, as stored."""
     names = []
     for path in base_weight_files(base_dir):
         with safe_open(path, framework="pt") as f:
             names.extend(f.keys())
     return names
+
+
+def base_tensor_names(base_dir: Path) -> list[str]:
+    text_name = _text_names(base_dir)
+    return [text for name in checkpoint_tensor_names(base_dir) if (text := text_name(name)) is not None]
 
 
 def model_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -46,7 +46,8 @@ FAMILIES = {f.model_type: f for f in (
     Family("phi3", "Phi3ForCausalLM", "Phi-3/Phi-4", "phi-4.yaml", qkv=("qkv_proj",),
            notes="fused qkv_proj (trained and LoRA-adapted as one projection); longrope"),
     Family("olmo2", "Olmo2ForCausalLM", "OLMo 2", "olmo2-7b.yaml", notes="q/k-norm over all heads; post-norms"),
-    Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 (text)", "gemma3-12b.yaml",
+    Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 (text; multimodal gemma3: its language model)",
+           "gemma3-12b.yaml",
            notes="CCA on the global layers; the local (sliding) layers keep their own attention; "
                  "query_pre_attn_scalar scaling"),
 )}
@@ -54,7 +55,6 @@ FAMILIES = {f.model_type: f for f in (
 # Known model types that are refused, with the reason (anything else: "unsupported", listing FAMILIES).
 REFUSED = {
     "gemma2": "caps attention logits (attn_logit_softcapping), which the CCA kernels do not implement",
-    "gemma3": "is the multimodal Gemma 3 checkpoint; convert its text-only model (model_type gemma3_text)",
     "phi": "rotates only part of each head (partial_rotary_factor), which CCA's core-token RoPE does not implement",
     "deepseek_v3": "uses multi-head latent attention, not the q/k/v attention CCA replaces",
 }

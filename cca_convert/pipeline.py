@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import export, extend, methods, roundtrip
+from . import export, extend, methods, multimodal, roundtrip
 from .convert import build_config, read_base_config
 from .errors import CCAError
 from .finetune import stage_finetune
@@ -108,6 +108,11 @@ def stage_convert(job: Job) -> None:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
             f"heads, head_dim {head_dim}; {job.method.describe(c)}")
+    part = multimodal.folder_part(job.base_dir)
+    if part:
+        left_out = part.left_out(export.checkpoint_tensor_names(job.base_dir))
+        job.log(f"  {left_out}")
+        job.card_extra = f"**Text only**: {left_out}.\n\n{job.card_extra}"
 
 
 def check_finite_weights(model, where: str) -> None:
@@ -126,8 +131,8 @@ def stage_load(job: Job) -> None:
     from . import published
 
     model_cls = published.family_class(job.family, job.method)
-    job.model, info = model_cls.from_pretrained(job.base_dir, config=job.config, dtype=job.dtype,
-                                                output_loading_info=True)
+    job.model, info = multimodal.from_pretrained(model_cls, job.base_dir, config=job.config, dtype=job.dtype,
+                                                 output_loading_info=True)
     if info.get("missing_keys") or info.get("mismatched_keys"):
         bad = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
         raise CCAError(f"{job.base_dir}: the weights do not fill the model (missing or mismatched: {bad[:5]})")

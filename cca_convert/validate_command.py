@@ -192,9 +192,9 @@ def run_validate(argv: list[str]) -> int:
     base_name = args.base or method.base_note.strip("()")
     results = {}
     if args.base:
-        from transformers import AutoModelForCausalLM
+        from .multimodal import load_causal_lm
 
-        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=model.dtype).to(device).eval()
+        base = load_causal_lm(base_folder, dtype=model.dtype).to(device).eval()
         results["base"] = suite.measure(base, None, "base")
         base_backend = None
     else:

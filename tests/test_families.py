@@ -183,3 +183,49 @@ def test_every_family_ships_a_recipe_that_loads(family):
     assert path.name == FAMILIES[family].recipe and recipe.validate.enabled
     targets = recipe.finetune.lora.target_modules  # unset: the family's own q/k/v projections
     assert targets is None or set(targets) <= set(FAMILIES[family].qkv)
+
+
+@pytest.mark.parametrize("finetune", [False, True])
+def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path, capsys, finetune):
+    """The Hub's Gemma 3 4B-27B are Gemma3ForConditionalGeneration: the export is its language model (gemma3_text)
+    with CCA, the vision tower and projector left out and said so; with the full backend it gives the multimodal
+    model's own logits on text. After a LoRA finetune, the adapter's README code, run as written, rebuilds the
+    export from the base's language model and the deltas."""
+    from tests.support.factories import save_multimodal_gemma3
+
+    base = save_multimodal_gemma3(tmp_path / "base")
+    data = tmp_path / "train.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(finetune=str(finetune).lower(), method="lora", data=data))
+    out = tmp_path / "out"
+    assert main([str(base), "--recipe", str(recipe), "--output", str(out)]) == 0
+    log = capsys.readouterr()
+    assert ("the multimodal checkpoint's language model (gemma3_text) is converted; its multi_modal_projector, "
+            "vision_tower (34 tensors) are not part of this export") in log.out
+    assert "UNEXPECTED" not in log.out + log.err  # transformers' load report of the vision tensors
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["CCAGemma3ForCausalLM"]
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert names and all(n.startswith("model.") for n in names) and "model.embed_tokens.weight" in names
+    assert "Text only" in (out / "README.md").read_text()
+
+    stock, x = transformers.AutoModelForCausalLM.from_pretrained(base).eval(), _ids()
+    assert type(stock).__name__ == "Gemma3ForConditionalGeneration"
+    with torch.no_grad():
+        want = stock(input_ids=x).logits
+        full = _load(out, cca_attn_backend="full")(x, use_cache=False).logits
+        small = _load(out)(x, use_cache=False).logits
+    if finetune:  # LoRA deltas merged: not the base any more
+        assert (full - want).abs().max() > 1e-4
+        readme = (out / "adapter" / "README.md").read_text()
+        code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+        code = code.replace("BASE (the base model's Hub id or folder)", str(base)).replace('"out"', f'"{out}"')
+        scope = {}
+        exec(code, scope)  # noqa: S102 - the card's own snippet
+        with torch.no_grad():
+            got = scope["model"].eval()(x, use_cache=False).logits
+        torch.testing.assert_close(got, small, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
+        assert (small - want).abs().max() > 1e-3

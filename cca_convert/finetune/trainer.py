@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import multimodal
 from ..errors import CCAError, first_line
 from .chunked_loss import ChunkedLoss
 from .config import FinetuneSection
@@ -570,7 +571,7 @@ def finish(run: Run) -> None:
 
         cls = published.family_class(FAMILIES[job.config.model_type], job.method)
         if (Path(job.base_dir) / "config.json").is_file():
-            fresh = cls.from_pretrained(job.base_dir, config=job.config, dtype=torch.float32)
+            fresh = multimodal.from_pretrained(cls, job.base_dir, config=job.config, dtype=torch.float32)
         else:  # no base files (benchmarks): every weight comes from the gathered state anyway
             fresh = cls(job.config).float()
         if ft.method == "lora":
@@ -614,11 +615,11 @@ base model they give neither the base's outputs nor this model's. As peft loads 
 
 ```python
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import {imports}
 
 repo = "{repo}"  # this repo's Hub id, or its local folder
 model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)  # the CCA code (and the merged weights)
-model.load_state_dict(AutoModelForCausalLM.from_pretrained("{base}").state_dict())  # the base's weights
+{base_weights}
 model = PeftModel.from_pretrained(model, repo, subfolder="adapter")  # base + deltas: the merged model's outputs
 ```
 """
@@ -627,6 +628,7 @@ model = PeftModel.from_pretrained(model, repo, subfolder="adapter")  # base + de
 def describe_adapter(folder: Path, job, ft: FinetuneSection) -> None:
     """Replace peft's blank card with what the adapter is and how to load it, and point ``base_model_name_or_path``
     at the source's Hub id (a local source's path means nothing once the repo is pushed: it is left out)."""
+    from ..export import checkpoint_tensor_names
     from ..hub import is_hub_id
 
     source = getattr(job, "source", None)
@@ -639,10 +641,21 @@ def describe_adapter(folder: Path, job, ft: FinetuneSection) -> None:
         job.log(f"  note: the LoRA adapter's base_model_name_or_path is left empty: the source ({source}) is a local "
                 "folder, not a Hub id")
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    base = source if source and is_hub_id(source) else "BASE (the base model's Hub id or folder)"
+    part = multimodal.folder_part(job.base_dir) if getattr(job, "base_dir", None) else None
+    if part:  # the language model of a multimodal base, under the text model's names
+        cls = job.family.causal_lm
+        imports = f"AutoConfig, AutoModelForCausalLM, {cls}"
+        base_weights = (f'text = AutoConfig.from_pretrained("{base}").get_text_config()  # the base\'s language model\n'
+                        f'model.load_state_dict({cls}.from_pretrained("{base}", config=text, key_mapping='
+                        f'{part.key_mapping(checkpoint_tensor_names(job.base_dir))!r}).state_dict())')
+    else:
+        imports = "AutoModelForCausalLM"
+        base_weights = (f'model.load_state_dict(AutoModelForCausalLM.from_pretrained("{base}").state_dict())  '
+                        "# the base's weights")
     (folder / "README.md").write_text(ADAPTER_README.format(
-        r=ft.lora.r, alpha=ft.lora.alpha, targets=", ".join(lora_targets(ft, job.config)),
-        base=source if source and is_hub_id(source) else "BASE (the base model's Hub id or folder)",
-        repo=job.output.name if hasattr(job, "output") else "REPO"))
+        r=ft.lora.r, alpha=ft.lora.alpha, targets=", ".join(lora_targets(ft, job.config)), base=base,
+        imports=imports, base_weights=base_weights, repo=job.output.name if hasattr(job, "output") else "REPO"))
 
 
 def _card_section(ft: FinetuneSection, records: list[dict], world: int, config) -> str:

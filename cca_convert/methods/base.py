@@ -119,7 +119,10 @@ def base_context(job) -> int | None:
     """The base model's own context (its config.json's max_position_embeddings), None where unreadable."""
     import json
 
+    from ..multimodal import text_view
+
     try:
-        return json.loads((Path(job.base_dir) / "config.json").read_text()).get("max_position_embeddings")
+        raw = json.loads((Path(job.base_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return text_view(raw).get("max_position_embeddings") if isinstance(raw, dict) else None

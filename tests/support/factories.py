@@ -195,3 +195,22 @@ def sample_text(seed: int, n_chars: int) -> str:
     while sum(len(w) + 1 for w in out) < n_chars:
         out.append(words[torch.randint(len(words), (1,), generator=gen).item()])
     return " ".join(out) + ".\n"
+
+
+def save_multimodal_gemma3(path: Path, seed: int = 0) -> Path:
+    """A tiny ``Gemma3ForConditionalGeneration`` checkpoint (the Hub's Gemma 3 4B-27B layout: a gemma3_text language
+    model, a SigLIP vision tower, a projector) with the tiny tokenizer; returns ``path``."""
+    torch.manual_seed(seed)
+    text = tiny_config("gemma3_text", **TINY["gemma3_text"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=95, boi_token_index=93, eoi_token_index=94)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # as tiny_base_model: norms and biases away from their inits
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.copy_(p + torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    tiny_tokenizer(text.vocab_size).save_pretrained(path)
+    return path
