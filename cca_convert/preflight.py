@@ -222,7 +222,8 @@ def _what_fits(job, shapes: dict, stage: str, budget: float) -> str:
         if v.batch_size > 1 and fits(**{"validate.batch_size": 1}):
             ideas.append("--set validate.batch_size=1")
         lengths = sorted(v.context_lengths)
-        kept = [n for n in lengths if fits(**{"validate.context_lengths": [n]})]
+        limit = job.config.max_position_embeddings  # the methods' context check: the suggestion must pass it too
+        kept = [n for n in lengths if n <= limit and fits(**{"validate.context_lengths": [n]})]
         if kept:
             ideas.append(f"--set 'validate.context_lengths={kept}'")
     if not str(job.device).startswith("cuda"):

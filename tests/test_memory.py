@@ -86,6 +86,27 @@ def test_a_suggested_seq_len_stays_within_the_models_context(tmp_path, capsys, m
     assert not (tmp_path / "out").exists()
 
 
+def test_suggested_validation_lengths_stay_within_the_models_context(tmp_path, capsys, monkeypatch):
+    """Lengths past a base's context that also do not fit: the memory line suggests only lengths the context check
+    accepts (here none: the context error beside it says what to drop), never [4096, 8192] for a 512-token model."""
+    from cca_convert import preflight
+
+    save_base(tmp_path / "base", max_position_embeddings=512)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (24 * GiB, "CPU RAM (24.0 GiB, 24.0 available)"))
+    monkeypatch.setattr(preflight, "check_output_space", lambda job, shapes: None)
+    monkeypatch.setattr(preflight, "check_validation_data", lambda job: None)
+    monkeypatch.chdir(tmp_path)
+    for lengths, allowed in (("[256, 4096, 8192, 32768]", {256}), ("[4096, 8192, 32768]", set())):
+        assert main([str(tmp_path / "base"), "--output", "out", "--set", "finetune.enabled=false",
+                     "--set", f"validate.context_lengths={lengths}"]) == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+        assert any("exceed the model's context (max_position_embeddings=512)" in ln for ln in lines), lines
+        fit = next(ln for ln in lines if "would fit:" in ln)
+        suggested = re.findall(r"--set 'validate.context_lengths=\[([\d, ]+)\]'", fit)
+        assert {int(n) for s in suggested for n in s.split(",")} == allowed, fit
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tiny_model_fits_and_the_estimate_is_logged(tmp_path, capsys):
     save_base(tmp_path / "base", max_position_embeddings=512)
     (tmp_path / "held.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
