@@ -108,11 +108,6 @@ def stage_convert(job: Job) -> None:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     job.log(f"  {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
             f"heads, head_dim {head_dim}; {job.method.describe(c)}")
-    part = multimodal.folder_part(job.base_dir)
-    if part:
-        left_out = part.left_out(export.checkpoint_tensor_names(job.base_dir))
-        job.log(f"  {left_out}")
-        job.card_extra = f"**Text only**: {left_out}.\n\n{job.card_extra}"
 
 
 def check_finite_weights(model, where: str) -> None:
@@ -136,6 +131,11 @@ def stage_load(job: Job) -> None:
     if info.get("missing_keys") or info.get("mismatched_keys"):
         bad = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
         raise CCAError(f"{job.base_dir}: the weights do not fill the model (missing or mismatched: {bad[:5]})")
+    part = multimodal.folder_part(job.base_dir)
+    if part:  # (the preflight has read every file's header by now)
+        left_out = part.left_out(export.checkpoint_tensor_names(job.base_dir))
+        job.log(f"  {left_out}")
+        job.card_extra = f"**Text only**: {left_out}.\n\n{job.card_extra}"
     job.model.to(job.device)
     check_finite_weights(job.model, str(job.base_dir))
     job.log(f"  {sum(p.numel() for p in job.model.parameters()) / 1e6:.1f}M parameters, {job.dtype}, on {job.device}")
