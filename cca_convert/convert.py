@@ -49,6 +49,9 @@ def _base_config(base_dir: Path):
     text = config.get_text_config()  # a multimodal checkpoint's language model
     if getattr(text, "dtype", None) is None:
         text.dtype = config.dtype
+    # transformers ties the multimodal model's lm_head by the top-level flag (a class default where config.json has
+    # none), not text_config's: the export computes what the checkpoint does
+    text.tie_word_embeddings = config.tie_word_embeddings
     return family, text
 
 

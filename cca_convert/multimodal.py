@@ -1,5 +1,6 @@
 """Multimodal checkpoints whose language model a family converts: the Hub's Gemma 3 4B/12B/27B are
-``Gemma3ForConditionalGeneration`` (model_type ``gemma3``: a ``gemma3_text`` model, a vision tower and a projector).
+``Gemma3ForConditionalGeneration`` (model_type ``gemma3``: a ``gemma3_text`` model, a vision tower and a projector),
+Mistral Small 3.1/3.2 ``Mistral3ForConditionalGeneration`` (``mistral3``: a ``mistral`` model, Pixtral's vision).
 cca-convert reads such a folder as its text model: the config's ``text_config``, the language model's weights
 under the text model's names; the vision tower and the projector are left out of the export (the converted repo is a
 text-only causal LM, as a ``gemma3_text`` base gives).
@@ -39,21 +40,23 @@ class TextPart:
                 and (names is None or any(n.startswith(old) for n in names))}
 
     def text_config(self, raw: dict) -> dict:
-        """The text model's config.json fields: ``text_config`` with what the checkpoint gives only at its top."""
+        """The text model's config.json fields: ``text_config`` with what the checkpoint gives only at its top (the
+        dtype), or at its top for the whole model (whether lm_head is tied: transformers reads the top-level flag)."""
         text = dict(raw.get("text_config") or {})
         text["model_type"] = self.text_type
-        for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+        for key in ("dtype", "torch_dtype"):
             if key in raw and text.get(key) is None:
                 text[key] = raw[key]
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
         return text
 
 
 # Three spellings of the language model's weights: the Hub's (transformers 4.50's), transformers >= 4.52's in memory,
 # and a text-only class's own (lm_head, where not tied).
-PARTS = {
-    "gemma3": TextPart("gemma3_text", (("language_model.model.", "model."), ("model.language_model.", "model."),
-                                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))),
-}
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+PARTS = {"gemma3": TextPart("gemma3_text", _LANGUAGE_MODEL), "mistral3": TextPart("mistral", _LANGUAGE_MODEL)}
 
 
 def text_part(raw: dict) -> TextPart | None:

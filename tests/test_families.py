@@ -10,6 +10,7 @@ and a LoRA or Q/K/V finetune step runs through the CLI and exports a model that 
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -185,15 +186,16 @@ def test_every_family_ships_a_recipe_that_loads(family):
     assert targets is None or set(targets) <= set(FAMILIES[family].qkv)
 
 
-@pytest.mark.parametrize("finetune", [False, True])
-def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path, capsys, finetune):
-    """The Hub's Gemma 3 4B-27B are Gemma3ForConditionalGeneration: the export is its language model (gemma3_text)
-    with CCA, the vision tower and projector left out and said so; with the full backend it gives the multimodal
-    model's own logits on text. After a LoRA finetune, the adapter's README code, run as written, rebuilds the
-    export from the base's language model and the deltas."""
-    from tests.support.factories import save_multimodal_gemma3
+@pytest.mark.parametrize("kind, finetune", [("gemma3", False), ("gemma3", True), ("mistral3", False)])
+def test_a_multimodal_checkpoint_converts_its_language_model(tmp_path, capsys, kind, finetune):
+    """The Hub's Gemma 3 4B-27B are Gemma3ForConditionalGeneration, Mistral Small 3.1 Mistral3ForConditionalGeneration:
+    the export is the language model with CCA, the vision tower and projector left out and said so; with the full
+    backend it gives the multimodal model's own logits on text. After a LoRA finetune, the adapter's README code, run
+    as written, rebuilds the export from the base's language model and the deltas."""
+    from tests.support.factories import MULTIMODAL, save_multimodal
 
-    base = save_multimodal_gemma3(tmp_path / "base")
+    text_type = MULTIMODAL[kind][0]
+    base = save_multimodal(tmp_path / "base", kind)
     data = tmp_path / "train.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     recipe = tmp_path / "recipe.yaml"
@@ -201,17 +203,16 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path, ca
     out = tmp_path / "out"
     assert main([str(base), "--recipe", str(recipe), "--output", str(out)]) == 0
     log = capsys.readouterr()
-    assert ("the multimodal checkpoint's language model (gemma3_text) is converted; its multi_modal_projector, "
-            "vision_tower (34 tensors) are not part of this export") in log.out
+    assert re.search(rf"the multimodal checkpoint's language model \({text_type}\) is converted; its "
+                     r"multi_modal_projector, vision_tower \(\d+ tensors\) are not part of this export", log.out)
     assert "UNEXPECTED" not in log.out + log.err  # transformers' load report of the vision tensors
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["CCAGemma3ForCausalLM"]
+    assert config["model_type"] == text_type and config["architectures"] == [FAMILIES[text_type].class_name("cca")]
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    assert names and all(n.startswith("model.") for n in names) and "model.embed_tokens.weight" in names
+    assert "model.embed_tokens.weight" in names and all(n.startswith(("model.", "lm_head.")) for n in names)
     assert "Text only" in (out / "README.md").read_text()
 
-    stock, x = transformers.AutoModelForCausalLM.from_pretrained(base).eval(), _ids()
-    assert type(stock).__name__ == "Gemma3ForConditionalGeneration"
+    stock, x = transformers.AutoModelForImageTextToText.from_pretrained(base).eval(), _ids()
     with torch.no_grad():
         want = stock(input_ids=x).logits
         full = _load(out, cca_attn_backend="full")(x, use_cache=False).logits

@@ -9,12 +9,12 @@ import transformers
 
 from cca_convert import export, multimodal
 from cca_convert.convert import read_base_config
-from tests.support.factories import save_multimodal_gemma3
+from tests.support.factories import save_multimodal
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return save_multimodal_gemma3(tmp_path_factory.mktemp("mm") / "base")
+    return save_multimodal(tmp_path_factory.mktemp("mm") / "base", "gemma3")
 
 
 def test_every_spelling_of_the_language_model_is_renamed_and_the_rest_left_out():

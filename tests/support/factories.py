@@ -197,16 +197,28 @@ def sample_text(seed: int, n_chars: int) -> str:
     return " ".join(out) + ".\n"
 
 
-def save_multimodal_gemma3(path: Path, seed: int = 0) -> Path:
-    """A tiny ``Gemma3ForConditionalGeneration`` checkpoint (the Hub's Gemma 3 4B-27B layout: a gemma3_text language
-    model, a SigLIP vision tower, a projector) with the tiny tokenizer; returns ``path``."""
+# Multimodal checkpoints (the Hub's layout) whose language model a family converts: the text family, the multimodal
+# config class, its vision config (tiny) and the config's own keyword arguments.
+MULTIMODAL = {
+    "gemma3": ("gemma3_text", "Gemma3Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, image_size=28, patch_size=14),
+               dict(mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94)),
+    "mistral3": ("mistral", "Mistral3Config", dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                   patch_size=14, head_dim=16),
+                 dict(image_token_index=95, spatial_merge_size=2, tie_word_embeddings=False)),  # its own lm_head
+}
+
+
+def save_multimodal(path: Path, kind: str = "gemma3", seed: int = 0) -> Path:
+    """A tiny multimodal checkpoint of ``kind`` (``MULTIMODAL``: Gemma 3 4B-27B's ``Gemma3ForConditionalGeneration``,
+    Mistral Small 3.1's ``Mistral3ForConditionalGeneration``: a language model, a vision tower, a projector) with the
+    tiny tokenizer; returns ``path``."""
+    text_type, config_cls, vision, extra = MULTIMODAL[kind]
     torch.manual_seed(seed)
-    text = tiny_config("gemma3_text", **TINY["gemma3_text"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=95, boi_token_index=93, eoi_token_index=94)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    text = tiny_config(text_type, **TINY.get(text_type, {}), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = getattr(transformers, config_cls)(text_config=text.to_dict(), vision_config=vision, **extra)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():  # as tiny_base_model: norms and biases away from their inits
         for name, p in model.named_parameters():
             if p.dim() < 2:
