@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from . import extend, methods
 from .errors import CCAError
 from .families import config_problems, family_of
-from .multimodal import text_view
+from .multimodal import PARTS, text_part, text_view
 from .recipe import Recipe
 
 
@@ -26,6 +26,9 @@ def read_base_config(base_dir: Path) -> dict:
         raise CCAError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise CCAError(f"{path} is not a JSON object")
+    if raw.get("model_type") in PARTS and text_part(raw) is None:
+        raise CCAError(f"{path}: a multimodal {raw['model_type']} config without a text_config object: its language "
+                       "model cannot be read (the file is incomplete: download the model again)")
     raw = text_view(raw)  # a multimodal checkpoint's language model is the base
     try:
         family_of(raw)

@@ -199,6 +199,8 @@ ROWS = {
     "config-not-json": (row_base(lambda b: (b / "config.json").write_text("{nope")), 2, r"is not valid JSON"),
     "softcapped-logits": (row_base(lambda b: edit_config(b, attn_logit_softcapping=50.0)), 2,
                           r"attn_logit_softcapping=50.0: the CCA kernels do not cap logits"),
+    "multimodal-without-text-config": (row_base(lambda b: edit_config(b, model_type="gemma3", text_config=None)), 2,
+                                       r"a multimodal gemma3 config without a text_config object"),
     "refused-family": (row_base(lambda b: edit_config(b, model_type="gemma2")), 2,
                        r"model_type='gemma2' is not supported: it caps attention logits"),
     "weights-truncated": (row_base(lambda b: damage_weights(b, "truncate")), 2, r"not a readable safetensors file"),
