@@ -371,6 +371,41 @@ def test_recipe_cli_runs_the_family_dca_recipe_through_every_stage_on_a_tiny_sha
     assert "[6/6] roundtrip" in result["stdout"] and "validated lengths [64, 128, 256, 512]" in proc.stdout
 
 
+def test_recipe_cli_writes_a_multimodal_release_as_the_hub_holds_it_and_converts_its_language_model(tmp_path):
+    """``--multimodal``: the row's release as google/gemma-3-12b-pt ships it (language model + vision tower +
+    projector under the Hub's tensor names, lm_head tied away), at a tiny shape; the CLI converts its language model
+    through every stage and the export holds none of the vision tensors."""
+    from safetensors import safe_open
+
+    out = tmp_path / "cli.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "recipe_cli.py"), "--tiny", "--row", "gemma3-12b", "--multimodal",
+           "--method", "cca", "--workdir", str(tmp_path), "--keep", "--data", "examples/data/heldout.txt",
+           "--json", str(out), "--", "--set", "validate.context_lengths=[64]", "--set", "cca.group_size=4",
+           "--set", "cca.local_window=16", "--set", "finetune.seq_len=64", "--set", "finetune.steps=1",
+           "--set", "finetune.gradient_accumulation_steps=1", "--set", "finetune.data={files: [examples/data/train.txt]}",
+           "--set", "export.dtype=float32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 0 and result["multimodal"] and "[8/8] roundtrip" in result["stdout"]
+    assert "multimodal checkpoint's language model (gemma3_text) is converted" in result["stdout"]
+
+    def names(folder):
+        found = set()
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                found |= set(f.keys())
+        return found
+
+    work = next(tmp_path.glob("cca-recipe-cli-*"))
+    base, export = names(work / "base"), names(work / "out")
+    assert json.loads((work / "base" / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert {n.split(".")[0] for n in base} == {"language_model", "vision_tower", "multi_modal_projector"}
+    assert "language_model.model.embed_tokens.weight" in base and not any("lm_head" in n for n in base)
+    assert export and all(n.startswith("model.") or n == "lm_head.weight" for n in export)
+    assert not any("vision" in n or "projector" in n for n in export)
+
+
 def test_every_benchmark_is_registered_and_the_results_index_is_current():
     """Benchmarks are a product: each script has a registry row (what it measures, its command, how it is verified),
     every script the README names is registered, and the generated results index matches the tree."""
