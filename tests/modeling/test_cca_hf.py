@@ -155,6 +155,74 @@ def test_sliding_window_layers_keep_their_own_attention():
     assert torch.equal(got, want)
 
 
+def _windowed_attention_fp64(query, key, value, pad, scaling, window):
+    """Sliding-window causal attention written out (fp64): query i (column kv_len - q_len + i) sees keys j with
+    j <= i's column < j + window that are not padding, and always its own key (a pad row gets no NaN)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    n_rep = query.shape[1] // key.shape[1]
+    k, v = (x.double().repeat_interleave(n_rep, dim=1) for x in (key, value))
+    q_col = torch.arange(kv_len - q_len, kv_len)[:, None]
+    k_col = torch.arange(kv_len)[None, :]
+    mask = (k_col <= q_col) & (q_col - k_col < window)
+    if pad is not None:
+        mask = mask[None, None] & (pad[:, None, None, -kv_len:].bool() | (k_col == q_col))
+    scores = (query.double() @ k.transpose(-1, -2) * scaling).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("q_len,kv_len,n_heads,n_kv,head_dim,window,padded", [
+    (1, 16, 4, 4, 64, 16, False),       # a decode step over a full sliding cache
+    (40, 40, 4, 1, 80, 16, True),       # short: one call
+    (64, 64, 4, 4, 64, 16, False),      # the longest single call (4 x window)
+    (65, 65, 5, 1, 64, 16, True),       # the first blocked length: blocks of 2 x window, GQA 5
+    (203, 203, 7, 1, 80, 16, True),     # odd length, a partial last block, GQA 7
+    (150, 165, 8, 2, 128, 16, True),    # a prefill after cached keys (chunked prefill), GQA 4
+    (97, 97, 4, 4, 64, 5, False),       # a window that divides nothing
+])
+def test_sliding_window_attention_by_blocks_equals_the_whole_masked_attention(q_len, kv_len, n_heads, n_kv, head_dim,
+                                                                           window, padded):
+    """A local layer's attention goes by query blocks over the keys each window can reach: output and every gradient
+    equal the window written out (fp64) over odd lengths, GQA ratios 1/4/5/7, head dims 64/80/128, batch 2 with a
+    left-padded row, and keys already cached."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    q = torch.randn(2, n_heads, q_len, head_dim, requires_grad=True)
+    k, v = (torch.randn(2, n_kv, kv_len, head_dim, requires_grad=True) for _ in range(2))
+    pad = None
+    if padded:
+        pad = torch.ones(2, kv_len, dtype=torch.long)
+        pad[1, :7] = 0
+    module = SimpleNamespace(num_key_value_groups=n_heads // n_kv, is_causal=True, training=False)
+    scaling = head_dim ** -0.5
+    got = hf._sliding_attention(module, q, k, v, pad, scaling, window)
+    want = _windowed_attention_fp64(q, k, v, pad, scaling, window)
+    assert got.shape == (2, q_len, n_heads, head_dim)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+    grad = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad.float())
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
+
+
+def test_long_inputs_through_sliding_window_layers_equal_the_stock_model():
+    """The blocked local attention inside the model: a left-padded batch longer than 4 windows gives the stock
+    model's logits (its own masked SDPA over the whole sequence), and greedy decoding after it the stock tokens."""
+    stock = tiny_base_model("mistral", max_position_embeddings=512, pad_token_id=0, eos_token_id=2, sliding_window=16)
+    model = cca_hf_model_from(stock, group_size=4, local_window=8, attn_backend="reference")
+    x = ids(bsz=2, length=150)
+    mask = torch.ones_like(x)
+    mask[1, :11] = 0
+    real = mask.bool()  # (pad rows' logits are nobody's: the stock model and this one fill them differently)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, attention_mask=mask, use_cache=False).logits[real],
+                                   stock(x, attention_mask=mask, use_cache=False).logits[real], atol=1e-5, rtol=1e-5)
+        got = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want = stock.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
 def test_a_decode_steps_inputs_equal_the_stock_preparation(monkeypatch):
     """The one-token step's fast preparation hands forward() exactly what transformers' own method does; every other
     call (prefill, several tokens, inputs it does not know) is the stock method's."""
