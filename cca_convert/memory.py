@@ -48,6 +48,7 @@ class Shape:
     qkv_params: int  # q/k/v projection weights over all layers (finetune.method qkv)
     lora_params_per_rank: int  # LoRA A+B elements per unit of rank over all layers, for q/k/v targets
     sliding: bool = False  # some layers are sliding-window layers kept as they are (an explicit mask)
+    window: int = 0  # their window (config.sliding_window)
 
     @classmethod
     def of(cls, config, params: int) -> Shape:
@@ -67,6 +68,7 @@ class Shape:
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ()) and not all(
             t == "sliding_attention" for t in text.layer_types)
         return cls(params=params, layers=layers, hidden=hidden, q_width=q, kv_width=kv, mlp_width=mlp, sliding=sliding,
+                   window=(getattr(text, "sliding_window", None) or 0) if sliding else 0,
                    vocab=text.vocab_size, heads=heads, layer_params=max(1, (params - embed) // max(1, layers)),
                    qkv_params=layers * hidden * (q + 2 * kv), lora_params_per_rank=layers * (3 * hidden + q + 2 * kv))
 
@@ -92,9 +94,14 @@ def layer_activation_bytes(shape: Shape, tokens: int, act_bytes: int = 2) -> flo
 
 
 def sliding_mask_bytes(shape: Shape, batch: int, length: int) -> float:
-    """Models with sliding-window layers (Gemma 3) get an explicit (L, L) mask for SDPA (bool, its additive bf16 form
-    and a copy; measured: Gemma 3 12B at 32K on an H100). Full causal layers need none (SDPA's is_causal)."""
-    return 8 * batch * length * length if shape.sliding else 0
+    """Models with sliding-window layers (Gemma 3) give SDPA an explicit mask (bool, its additive bf16 form and a
+    copy: 8 bytes an entry, measured on Gemma 3 12B at 32K on an H100): (L, L) up to 4 windows, beyond that one
+    block's, 2w queries by the 3w - 1 keys they reach (``cca_hf._sliding_attention``). Full causal layers need none."""
+    if not shape.sliding:
+        return 0
+    w = shape.window or length
+    rows, cols = (length, length) if length <= 4 * w else (2 * w, 3 * w - 1)
+    return 8 * batch * rows * cols
 
 
 def reference_attention_bytes(shape: Shape, batch: int, length: int) -> float:

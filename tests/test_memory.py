@@ -228,3 +228,22 @@ def test_the_methods_name_what_their_pytorch_attention_holds():
         recipe = Recipe.model_validate({"method": name})
         assert _reference_memory(recipe, "cpu") == kind and methods.get(name).reference_memory == kind
         assert _reference_memory(recipe, "cuda:0") is None  # the kernels run there
+
+
+def test_sliding_window_layers_cost_one_blocks_mask_past_four_windows():
+    """Gemma 3's local layers attend by blocks past 4 windows (``cca_hf._sliding_attention``): at 32K the estimate
+    holds one block's mask (2w x (3w - 1)), not the (L, L) one it once measured (8 GiB), which would refuse or shrink
+    runs that fit; up to 4 windows the single (L, L) call's mask still counts."""
+    import transformers
+
+    fields = dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                  layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)])
+    shape = memory.Shape.of(transformers.Gemma3TextConfig(**fields), 11_766_000_000)
+    assert shape.sliding and shape.window == 1024
+    assert memory.sliding_mask_bytes(shape, 1, 32768) == 8 * 2048 * 3071
+    assert memory.sliding_mask_bytes(shape, 2, 4096) == 8 * 2 * 4096 * 4096
+    part = memory.validate_estimate(shape, length=32768, batch=1, weight_bytes=2).parts["sliding-window mask"]
+    assert part < 0.06 * 2**30
+    llama = memory.Shape.of(transformers.LlamaConfig(**LLAMA31_8B), 8_030_261_248)
+    assert memory.sliding_mask_bytes(llama, 1, 32768) == 0
