@@ -90,6 +90,16 @@ def config_problems(raw: dict) -> list[str]:
     return problems
 
 
+def kept_sliding_window(config) -> int:
+    """The window of the sliding-window layers a mixed model keeps as they are (Gemma 3's local layers, Qwen's
+    ``max_window_layers``); 0 when it has none, or when every layer slides (there CCA replaces the window)."""
+    text = getattr(config, "text_config", None) or config
+    types = getattr(text, "layer_types", None) or ()
+    if "sliding_attention" not in types or all(t == "sliding_attention" for t in types):
+        return 0
+    return getattr(text, "sliding_window", None) or 0
+
+
 def replaces_sliding_window(config) -> bool:
     """True when every layer of a (built) base config is a sliding-window layer (Mistral's ``sliding_window``):
     there CCA replaces the window itself — its local window plus core tokens of older groups — rather than leaving

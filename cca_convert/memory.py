@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .families import kept_sliding_window
+
 GiB = 2**30
 CUDA_RESERVE = 2 * GiB  # context (~0.5 GiB), cuBLAS/Triton workspaces, allocator rounding
 CPU_RESERVE = 1 * GiB  # the Python process, tokenizers, datasets' buffers
@@ -65,10 +67,11 @@ class Shape:
             mlp = text.intermediate_size
         q, kv = heads * head_dim, kv_heads * head_dim
         embed = text.vocab_size * hidden * (1 if getattr(text, "tie_word_embeddings", False) else 2)
+        window = kept_sliding_window(text)
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ()) and not all(
             t == "sliding_attention" for t in text.layer_types)
         return cls(params=params, layers=layers, hidden=hidden, q_width=q, kv_width=kv, mlp_width=mlp, sliding=sliding,
-                   window=(getattr(text, "sliding_window", None) or 0) if sliding else 0,
+                   window=window,
                    vocab=text.vocab_size, heads=heads, layer_params=max(1, (params - embed) // max(1, layers)),
                    qkv_params=layers * hidden * (q + 2 * kv), lora_params_per_rank=layers * (3 * hidden + q + 2 * kv))
 

@@ -45,7 +45,16 @@ class CCA(Method):
         cca = recipe.cca
         if replaces_sliding_window(config):
             config.cca_replaced_sliding_window = config.sliding_window
-            config.sliding_window = None
+            if getattr(config, "layer_types", None):
+                # every layer is CCA's now; sliding_window stays (Gemma 3's model builds its window mask whatever the
+                # layer types, and fails without it) but no layer is of the type it applies to
+                config.layer_types = ["full_attention"] * len(config.layer_types)
+                rope = config.rope_parameters
+                if isinstance(rope, dict) and isinstance(rope.get("sliding_attention"), dict):
+                    # per layer type (Gemma 3): the layers keep the rotation they were trained with
+                    config.rope_parameters = {**rope, "full_attention": dict(rope["sliding_attention"])}
+            else:
+                config.sliding_window = None
         if cca.rope_theta is not None:
             rope = dict(config.rope_parameters)
             if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): CCA's layers are the full ones

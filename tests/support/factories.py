@@ -23,6 +23,9 @@ VARIANTS = {
     "llama-tied-llama3": ("llama", dict(tie_word_embeddings=True, rope_parameters=None, rope_scaling=None)),
     "mistral-swa": ("mistral", dict(sliding_window=48)),
     "qwen2-window-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    # every layer slides (as Mistral's): CCA replaces the window on every layer; Gemma 3's keep their local RoPE
+    "qwen2-all-window": ("qwen2", dict(use_sliding_window=True, sliding_window=48, max_window_layers=0)),
+    "gemma3-all-local": ("gemma3_text", dict(sliding_window=48, layer_types=["sliding_attention"] * 3)),
 }
 
 

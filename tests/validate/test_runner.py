@@ -23,6 +23,7 @@ from tests.support.factories import (
     cca_hf_model_from,
     cca_model_from,
     char_tokenizer,
+    family_and_overrides,
     sample_text,
     save_base,
     tiny_base_model,
@@ -330,6 +331,35 @@ def test_validate_command_on_exported_folder(tmp_path, base_dir, texts, capsys):
     assert with_base["results"]["base"]["perplexity"]["256"]["ppl"] == pytest.approx(
         first["results"]["base"]["perplexity"]["256"]["ppl"], rel=1e-5)
     assert main(["validate", str(base_dir)]) == 2  # not a CCA model
+
+
+def test_a_base_with_sliding_window_layers_says_its_speed_up_includes_their_blocking(tmp_path, base_dir, texts, capsys):
+    """transformers runs Gemma 3's local layers as one call under an L x L mask; the export runs them by blocks past
+    4 windows. A --base comparison past that length says so in its log and report; within it, or on a base without
+    sliding layers, nothing is added."""
+    family, shape = family_and_overrides("gemma3_text")  # local layers of window 16 beside a global one
+    gemma = save_base(tmp_path / "gemma", family=family, **{**shape, "vocab_size": 128, "max_position_embeddings": 1024})
+    char_tokenizer().save_pretrained(gemma)
+    lengths = ["--set", "validate.context_lengths=[32,128]", "--set", "validate.passkey_trials=0"]
+    for base, name in ((gemma, "g"), (base_dir, "l")):
+        out = tmp_path / f"out-{name}"
+        run(base, out, write_recipe(tmp_path, texts[0], passkey_trials=0, enabled=False))
+        capsys.readouterr()
+        assert main(["validate", str(out), "--base", str(base), "--output", str(tmp_path / f"v-{name}"),
+                     "--device", "cpu", *lengths]) == 0
+        printed = capsys.readouterr().out
+        note = json.loads((tmp_path / f"v-{name}" / "validation" / "report.json").read_text())["base_note"]
+        if base is gemma:
+            assert "note: the base model's sliding-window layers (window 16)" in printed
+            assert "past 64 tokens" in note and "speed-up at 128 includes that" in note
+        else:
+            assert note.endswith("base (--base)") and "note:" not in printed
+    # within 4 windows the two run the same one call: no note
+    assert main(["validate", str(tmp_path / "out-g"), "--base", str(gemma), "--output", str(tmp_path / "v-short"),
+                 "--device", "cpu", "--set", "validate.context_lengths=[32,64]", "--set",
+                 "validate.passkey_trials=0"]) == 0
+    assert json.loads((tmp_path / "v-short" / "validation" / "report.json").read_text())["base_note"].endswith(
+        "gemma (--base)")
 
 
 @pytest.mark.parametrize("flags,message", [
