@@ -1,7 +1,8 @@
 """Every supported family through the real CLI, on tiny random checkpoints built from transformers' own configs.
 
 For each family (and the variants that take another path: tied embeddings + llama3 RoPE, Mistral with a sliding
-window, Qwen2 with sliding-window layers, and Qwen2 / Gemma 3 whose every layer slides under ``layer_types``) ``cca-convert`` exits 0, and the exported repo, loaded as users load it:
+window, Qwen2 with sliding-window layers, Qwen2 / Gemma 3 whose every layer slides under ``layer_types``)
+``cca-convert`` exits 0, and the exported repo, loaded as users load it:
 - with ``cca_attn_backend="full"`` equals the stock transformers model (fp32, 1e-5);
 - with ``cca_local_window >= L`` equals it too (CCA over a window covering the sequence is causal attention);
 - with a small window differs from it;
