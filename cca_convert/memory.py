@@ -68,10 +68,8 @@ class Shape:
         q, kv = heads * head_dim, kv_heads * head_dim
         embed = text.vocab_size * hidden * (1 if getattr(text, "tie_word_embeddings", False) else 2)
         window = kept_sliding_window(text)
-        sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ()) and not all(
-            t == "sliding_attention" for t in text.layer_types)
-        return cls(params=params, layers=layers, hidden=hidden, q_width=q, kv_width=kv, mlp_width=mlp, sliding=sliding,
-                   window=window,
+        return cls(params=params, layers=layers, hidden=hidden, q_width=q, kv_width=kv, mlp_width=mlp,
+                   sliding=window > 0, window=window,
                    vocab=text.vocab_size, heads=heads, layer_params=max(1, (params - embed) // max(1, layers)),
                    qkv_params=layers * hidden * (q + 2 * kv), lora_params_per_rank=layers * (3 * hidden + q + 2 * kv))
 
