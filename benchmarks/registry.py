@@ -53,6 +53,10 @@ BENCHMARKS = {b.name: b for b in (
               "tests/test_benchmarks.py (--smoke on the CPU)", prefixes=("prefill",)),
     Benchmark("skinny_rows", "skinny_rows.py", "the Triton few-row products vs cuBLAS, 1-16 rows, Llama-3.1-8B "
               "shapes, inside a CUDA graph", "", "tests/kernels/test_skinny_triton.py (products == torch)"),
+    Benchmark("sliding_window", "sliding_window.py", "a kept sliding-window layer's attention (Gemma-3-12B local "
+              "layer): by blocks past 4 windows, as exported, vs transformers' one masked call; fwd and fwd+bwd",
+              "--out benchmarks/results", "tests/test_benchmarks.py (CPU; outputs and gradients equal)",
+              prefixes=("sliding_window",)),
     Benchmark("speculative", "speculative.py", "prompt-lookup decoding vs greedy in real generate(): ms/token and "
               "whether the tokens equal greedy's", "--out benchmarks/results",
               "tests/test_benchmarks.py (tiny model on the CPU)", prefixes=("speculative",)),

@@ -528,3 +528,18 @@ def test_fidelity_dca_row_reads_the_dca_run_report(tmp_path):
         assert data["ppl"]["dca"][n] == ppl and "trials" in data["passkey"]["dca"][n]
     assert "passkey bar" in table and f"DCA {report['speed']['256']['dca']['latency_s'] * 1e3:.1f} ms" in table
     assert ok is False  # a random base meets neither bar (its ppl does not grow 3x past c)
+
+
+def test_sliding_window_benchmark_compares_the_blocked_layer_with_one_masked_call(tmp_path):
+    """benchmarks/sliding_window.py (the A/B its record cites) runs on CPU; past 4 windows the blocked attention it times
+    gives the single masked call's outputs and gradients."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "sliding_window.py"), "--device", "cpu", "--lengths", "48,160",
+           "--window", "16", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--reps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "sliding_window.json").read_text())["rows"]
+    assert [(r["length"], r["by_blocks_engaged"]) for r in rows] == [(48, False), (160, True)]
+    for row in rows:
+        assert row["max_abs_diff"] < 1e-5 and row["max_abs_grad_diff"] < 1e-5
+        assert all(t > 0 for t in (*row["fwd_ms"].values(), *row["fwd_bwd_ms"].values()))
+    assert "| 160 |" in (tmp_path / "sliding_window.md").read_text()
