@@ -239,7 +239,8 @@ def table(results: list[dict], args) -> str:
             def ratio(a, b, invert=False):
                 return f"{(b / a if invert else a / b):.2f}x" if a and b else "-"
 
-            lines.append(f"| {context} | {row} | {ttft:.3f} | {rate:.1f} | {lat:.2f} | "
+            # No decode rate when the text came in one streamed chunk (a streamer holds text back until it can cut it)
+            lines.append(f"| {context} | {row} | {ttft:.3f} | {f'{rate:.1f}' if rate else 'n/a'} | {lat:.2f} | "
                          f"{f'{mem:,.0f}' if mem else '-'} | {ratio(ttft, base_ttft, invert=True)} | "
                          f"{ratio(rate, base_rate)} | {ratio(rate, fair_rate)} |")
     return "\n".join(lines)

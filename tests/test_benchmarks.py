@@ -327,6 +327,22 @@ def test_serve_benchmark_streams_from_each_server(tmp_path):
     assert "| 40 | cca |" in (tmp_path / "serve.md").read_text()
 
 
+def test_serve_table_says_n_a_where_a_stream_gave_no_decode_rate():
+    """A stream whose text came in one chunk has no decode rate (CI once saw it on the CPU, and the table crashed on
+    the None): that cell and the ratios over it read n/a and -, the other rows keep their numbers."""
+    spec = importlib.util.spec_from_file_location("serve_bench", REPO / "benchmarks" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    results = [{"row": "full", "context": 40, "ttft_s": 0.01, "decode_tok_s": None, "latency_s": 0.02,
+                "server_gpu_mib": None},
+               {"row": "cca", "context": 40, "ttft_s": 0.02, "decode_tok_s": 50.0, "latency_s": 0.1,
+                "server_gpu_mib": None}]
+    text = serve.table(results, SimpleNamespace(contexts=[40], rows=["full", "cca"]))
+    full, cca = (next(x for x in text.splitlines() if x.startswith(f"| 40 | {r} |")) for r in ("full", "cca"))
+    assert [c.strip() for c in full.split("|")[1:-1]] == ["40", "full", "0.010", "n/a", "0.02", "-", "1.00x", "-", "-"]
+    assert [c.strip() for c in cca.split("|")[1:-1]][3:] == ["50.0", "0.10", "-", "0.50x", "-", "-"]
+
+
 def test_recipes_at_scale_runs_every_shipped_recipe_row_on_tiny_shapes(tmp_path):
     """The at-scale benchmark's code path (converter config, preflight estimate, finetune stage per backend, the
     validation's scoring pass) on tiny shapes of each recipe's family; the GPU run uses the released shapes."""
