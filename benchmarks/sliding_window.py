@@ -13,6 +13,7 @@ are by CCA, and at 32K their single masked call is most of the prefill. One laye
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +39,6 @@ def one_masked_call(module, query, key, value, scaling, window):
 def ms_per_call(fn, device: str, reps: int) -> float:
     fn()  # warm-up
     if device == "cpu":
-        import time
         start = time.perf_counter()
         for _ in range(reps):
             fn()
