@@ -201,8 +201,10 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
         dotted = ".".join(loc)
         # a list item's error (finetune.adam_betas.1) belongs to the key that set the list
         heads = [loc[:n] for n in range(len(loc), 0, -1)]
+        # an unknown section (--set nonsense.key=1) is reported at the section, above the key that --set named
+        below = (v for k, v in set_keys.items() if k[:len(loc)] == loc)
         where = next((set_keys[h] for h in heads if h in set_keys), None) or next(
-            (f"{path}:{lines[h]}" for h in heads if h in lines), str(path))
+            (f"{path}:{lines[h]}" for h in heads if h in lines), None) or next(below, str(path))
         msg = f"{where}: {dotted}: {_describe(err)}"
         if err["type"] == "extra_forbidden":
             msg += f"; known keys here: {', '.join(_known_keys(model, loc))}"

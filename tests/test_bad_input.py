@@ -182,6 +182,8 @@ ROWS = {
     "set-empty-value": (row_set("cca.group_size="), 2, r"--set cca.group_size= has no value"),
     "set-bad-key": (row_set("1cca=3"), 2, r"--set expects KEY=VALUE"),
     "set-unknown-key": (row_set("cca.gruop=3"), 2, r"cca.gruop: unknown key"),
+    "set-unknown-section": (row_set("nonsense.key=1"), 2,
+                            r"^error: --set nonsense.key=1: nonsense: unknown key; known keys here: method, cca"),
     "set-list-item-non-finite": (row_set("finetune.adam_betas=[0.9,nan]"), 2,
                                  r"^error: --set finetune.adam_betas=\[0.9,nan\]: finetune.adam_betas.1: .*finite"),
     "list-item-non-finite": (row_recipe_text("finetune:\n  adam_betas: [0.9, .nan]\n"), 2,
