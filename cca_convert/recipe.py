@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import re
 import warnings
@@ -201,10 +202,13 @@ def load_recipe(path: Path | None, overrides: list[str] = (), family: str | None
         dotted = ".".join(loc)
         # a list item's error (finetune.adam_betas.1) belongs to the key that set the list
         heads = [loc[:n] for n in range(len(loc), 0, -1)]
-        # an unknown section (--set nonsense.key=1) is reported at the section, above the key that --set named
-        below = (v for k, v in set_keys.items() if k[:len(loc)] == loc)
-        where = next((set_keys[h] for h in heads if h in set_keys), None) or next(
-            (f"{path}:{lines[h]}" for h in heads if h in lines), None) or next(below, str(path))
+        # the source that wrote the key: a --set at or above it, the file's own line for it, a --set below it (an
+        # unknown section that --set a.b=1 created is reported at a), else the file's line of its section
+        where = next(itertools.chain(
+            (set_keys[h] for h in heads if h in set_keys),
+            [f"{path}:{lines[loc]}"] if loc in lines else [],
+            (v for k, v in set_keys.items() if k[:len(loc)] == loc),
+            (f"{path}:{lines[h]}" for h in heads if h in lines)), str(path))
         msg = f"{where}: {dotted}: {_describe(err)}"
         if err["type"] == "extra_forbidden":
             msg += f"; known keys here: {', '.join(_known_keys(model, loc))}"

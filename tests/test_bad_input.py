@@ -184,6 +184,8 @@ ROWS = {
     "set-unknown-key": (row_set("cca.gruop=3"), 2, r"cca.gruop: unknown key"),
     "set-unknown-section": (row_set("nonsense.key=1"), 2,
                             r"^error: --set nonsense.key=1: nonsense: unknown key; known keys here: method, cca"),
+    "set-unknown-nested-section": (row_set("validate.data.nonsense.x=1"), 2,
+                                   r"^error: --set validate.data.nonsense.x=1: validate.data.nonsense: unknown key"),
     "set-list-item-non-finite": (row_set("finetune.adam_betas=[0.9,nan]"), 2,
                                  r"^error: --set finetune.adam_betas=\[0.9,nan\]: finetune.adam_betas.1: .*finite"),
     "list-item-non-finite": (row_recipe_text("finetune:\n  adam_betas: [0.9, .nan]\n"), 2,
